@@ -1,0 +1,371 @@
+"""What runs on the workers: the probe before launch, and the rank task itself.
+
+The rank task (:func:`run_rank`) sets the torchrun environment, joins the process group,
+calls the user's function and always leaves the worker as it found it: environment,
+thread count, daemon flag and the default process group are restored, on success,
+exception or abort.
+
+Rendezvous: the probe opens the job's ``TCPStore`` on rank 0's worker (port 0, so the OS
+picks a free port) before any rank task is submitted. The store therefore listens before
+any rank connects, and two jobs never share a port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import logging
+import multiprocessing
+import os
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+from .context import RankContext, _activated
+from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
+from .placement import RankPlacement
+
+logger = logging.getLogger(__name__)
+
+_FAILURES = "dask-ddp/failures"
+_FIRST_FAILURE = "dask-ddp/first-failure"
+_JOINED = "dask-ddp/joined"
+_READY = "dask-ddp/ready"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """Everything one rank task needs, resolved on the client."""
+
+    job_id: str
+    key: str
+    attempt: int
+    backend: str
+    timeout: float
+    rendezvous_timeout: float
+    master_addr: str
+    master_port: int
+    threads_per_rank: int | None
+    allow_daemon_children: bool
+    pass_local_rank: bool
+    placement: RankPlacement
+    init_process_group: bool = True
+
+
+@dataclasses.dataclass
+class _ActiveRank:
+    job_id: str
+    key: str
+    rank: int
+    thread_id: int
+    running: bool = True
+    abort_reason: str | None = None
+
+
+# One rank per worker process at a time: the default process group, the environment and
+# the torch thread count are per process. Keyed state below is per job id.
+_lock = threading.Lock()
+_active: _ActiveRank | None = None
+_stores: dict[str, Any] = {}
+
+
+class _Abort(BaseException):
+    """Raised asynchronously in a rank's thread by :func:`abort_rank`.
+
+    A BaseException, so that ``except Exception`` in training code does not swallow it;
+    :func:`run_rank` turns it into :class:`~dask_ddp.errors.RankAbortedError`.
+    """
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _open_store(job_id: str, host: str, timeout: float) -> int:
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+    with _lock:
+        _stores[job_id] = store
+    return store.port
+
+
+async def probe_worker(
+    job_id: str, store_worker: str, store_timeout: float, dask_worker: Any = None
+) -> dict[str, Any]:
+    """Run by ``client.run`` on each chosen worker before launch.
+
+    Reports the worker's GPUs, its own ``CUDA_VISIBLE_DEVICES`` and the rank it is running,
+    if any; on rank 0's worker (``store_worker``) also opens the job's store. The torch
+    import runs in a thread so the worker's event loop stays responsive.
+    """
+    loop = asyncio.get_running_loop()
+    gpus = await loop.run_in_executor(None, _gpu_count)
+    port = None
+    if dask_worker.address == store_worker:
+        port = await loop.run_in_executor(
+            None, _open_store, job_id, dask_worker.ip, store_timeout
+        )
+    active = _active
+    return {
+        "gpu_count": gpus,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "busy": active.key if active is not None else None,
+        "store_port": port,
+    }
+
+
+def drop_store(job_id: str, dask_worker: Any = None) -> bool:
+    """Close the job's store if no rank took it (the job failed or was cancelled first)."""
+    with _lock:
+        return _stores.pop(job_id, None) is not None
+
+
+def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
+    """Stop this process's rank of ``job_id``, if it is still in the user's function.
+
+    Raises :class:`~dask_ddp.errors.RankAbortedError` in the rank's thread at its next
+    Python instruction. A rank blocked inside a C++ collective only sees it once the
+    collective returns; the client restarts such workers after a grace period.
+    """
+    with _lock:
+        active = _active
+        if active is None or active.job_id != job_id or not active.running:
+            return False
+        active.abort_reason = reason
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(active.thread_id), ctypes.py_object(_Abort)
+        )
+    logger.info("job %s: stopping rank %d: %s", job_id, active.rank, reason)
+    return True
+
+
+@contextlib.contextmanager
+def _claim_slot(spec: RankSpec) -> Iterator[_ActiveRank]:
+    global _active
+    with _lock:
+        if _active is not None:
+            raise WorkerBusyError(spec.placement.worker, _active.key)
+        _active = _ActiveRank(
+            spec.job_id, spec.key, spec.placement.rank, threading.get_ident()
+        )
+        slot = _active
+    try:
+        yield slot
+    finally:
+        with _lock:
+            slot.running = False
+            _active = None
+        _release_process_group()  # again here: an abort may have cut run_rank's cleanup short
+
+
+def _torchrun_env(spec: RankSpec) -> dict[str, str]:
+    p = spec.placement
+    env = {
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        "RANK": str(p.rank),
+        "WORLD_SIZE": str(p.world_size),
+        "LOCAL_RANK": str(p.local_rank),
+        "LOCAL_WORLD_SIZE": str(p.local_world_size),
+        "GROUP_RANK": str(p.node_rank),
+        "NODE_RANK": str(p.node_rank),
+        "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+    }
+    if p.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
+    if not spec.init_process_group:
+        # The script calls init_process_group("env://") itself; as under torchrun, every
+        # rank (rank 0 too) then connects to the store that already listens on MASTER_PORT.
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env
+
+
+@contextlib.contextmanager
+def _patched_environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+@contextlib.contextmanager
+def _thread_share(spec: RankSpec) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = spec.threads_per_rank
+    if wanted is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        wanted = max(1, (cores or 1) // spec.placement.local_world_size)
+    if wanted:  # 0 leaves the worker's setting alone
+        torch.set_num_threads(wanted)
+        logger.debug("job %s rank %d: %d torch threads", spec.job_id, spec.placement.rank, wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _children_allowed(allowed: bool) -> Iterator[None]:
+    """Let a daemonic Dask worker start DataLoader worker processes while the rank runs.
+
+    multiprocessing refuses children of a daemonic process because it would not wait for
+    them at exit. DataLoader workers watch their parent and exit with it, so clearing the
+    flag for the rank's lifetime is safe; it is restored afterwards.
+    """
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    was = config.get("daemon")
+    if allowed and was:
+        config["daemon"] = False
+    try:
+        yield
+    finally:
+        if allowed and was:
+            config["daemon"] = was
+
+
+def _connect_store(spec: RankSpec) -> Any:
+    import torch.distributed as dist
+
+    if spec.placement.rank == 0:
+        with _lock:
+            store = _stores.pop(spec.job_id, None)
+        if store is None:
+            raise RendezvousTimeoutError(
+                0, spec.placement.worker, spec.key, 0, "the job's store is gone from this worker "
+                "(the worker restarted after launch, or the job was cancelled)"
+            )
+        return store
+    try:
+        return dist.TCPStore(
+            spec.master_addr,
+            spec.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=spec.rendezvous_timeout),
+        )
+    except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
+        raise RendezvousTimeoutError(
+            spec.placement.rank, spec.placement.worker, spec.key, spec.rendezvous_timeout,
+            f"could not reach rank 0's store at {spec.master_addr}:{spec.master_port} ({exc})",
+        ) from exc
+
+
+def _rendezvous(store: Any, spec: RankSpec) -> None:
+    """Wait until every rank has joined, within the rendezvous timeout."""
+    world = spec.placement.world_size
+    if store.add(_JOINED, 1) == world:
+        store.set(_READY, "1")
+    try:
+        store.wait([_READY], timedelta(seconds=spec.rendezvous_timeout))
+    except (RuntimeError, TimeoutError) as exc:
+        joined = store.add(_JOINED, 0)
+        raise RendezvousTimeoutError(
+            spec.placement.rank, spec.placement.worker, spec.key, spec.rendezvous_timeout,
+            f"only {joined} of {world} ranks joined",
+        ) from exc
+
+
+def _first_failure(store: Any, rank: int) -> int | None:
+    """Record this rank's failure; return the rank that failed first if it was another."""
+    try:
+        if store.add(_FAILURES, 1) == 1:
+            store.set(_FIRST_FAILURE, str(rank))
+            return None
+        store.wait([_FIRST_FAILURE], timedelta(seconds=2))
+        first = int(store.get(_FIRST_FAILURE))
+    except (RuntimeError, TimeoutError, ValueError):
+        return None  # rank 0's store is gone: nobody recorded a failure before us
+    return None if first == rank else first
+
+
+def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) -> Any:
+    """The rank task: set up, run ``fn(*args, **kwargs)``, tear down.
+
+    Re-raises the function's own exception unchanged on the rank that failed first; a rank
+    that fails because another one did raises :class:`~dask_ddp.errors.PeerFailedError`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    p = spec.placement
+    kwargs = {**kwargs, "local_rank": p.local_rank} if spec.pass_local_rank else kwargs
+    with (
+        _claim_slot(spec) as slot,
+        _patched_environ(_torchrun_env(spec)),
+        _thread_share(spec),
+        _children_allowed(spec.allow_daemon_children),
+    ):
+        store = _connect_store(spec)
+        _rendezvous(store, spec)
+        if p.use_gpu and torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        if spec.init_process_group:
+            dist.init_process_group(
+                spec.backend,
+                store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
+                rank=p.rank,
+                world_size=p.world_size,
+                timeout=timedelta(seconds=spec.timeout),
+            )
+        ctx = RankContext(
+            rank=p.rank,
+            local_rank=p.local_rank,
+            world_size=p.world_size,
+            local_world_size=p.local_world_size,
+            node_rank=p.node_rank,
+            device=torch.device("cuda", 0) if p.use_gpu else torch.device("cpu"),
+            backend=spec.backend,
+            attempt=spec.attempt,
+            job_id=spec.job_id,
+            worker=p.worker,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+        )
+        logger.debug("job %s: rank %d joined on %s", spec.job_id, p.rank, p.worker)
+        try:
+            with _activated(ctx):
+                return fn(*args, **kwargs)
+        except BaseException as exc:
+            with _lock:
+                slot.running = False
+            if slot.abort_reason is not None:
+                raise RankAbortedError(p.rank, spec.job_id, slot.abort_reason) from exc
+            first = _first_failure(store, p.rank)
+            if first is not None:
+                raise PeerFailedError(p.rank, first, f"{type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            with _lock:
+                slot.running = False
+            _release_process_group()
+
+
+def _release_process_group() -> None:
+    """Destroy the default group and drop what still refers to it, so peers see it close."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def format_exception(exc: BaseException) -> str:
+    """The rank-side traceback as text, for the client's error message."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

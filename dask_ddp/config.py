@@ -1,0 +1,77 @@
+"""Package defaults under ``ddp:`` in dask.config, resolved once per launch on the client.
+
+The defaults live in ``dask_ddp.yaml`` beside this module and are loaded on import with
+``dask.config.update_defaults``, so ``dask.config.set``, ``DASK_DDP__*`` environment
+variables and the user's YAML files override them. Rank code never reads dask.config: the
+client resolves every value here and ships it in the job's plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Any
+
+import dask.config
+import yaml
+from dask.utils import parse_timedelta
+
+_HERE = os.path.dirname(__file__)
+
+with open(os.path.join(_HERE, "dask_ddp.yaml")) as _f:
+    dask.config.update_defaults(yaml.safe_load(_f))
+
+TimeoutLike = float | int | str | timedelta
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Configuration resolved on the client for one launch (seconds as floats)."""
+
+    backend: str | None
+    timeout: float
+    rendezvous_timeout: float
+    failure_grace: float
+    gpu_count: int | None
+    threads_per_rank: int | None
+    allow_daemon_children: bool
+
+
+def _seconds(value: Any, key: str) -> float:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    seconds = parse_timedelta(value, default="seconds")
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"ddp.{key} must be a positive duration such as '60s'; got {value!r}")
+    return float(seconds)
+
+
+def _optional_int(value: Any, key: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ddp.{key} must be a whole number or null; got {value!r}") from None
+    if number < 0:
+        raise ValueError(f"ddp.{key} must not be negative; got {value!r}")
+    return number
+
+
+def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -> Settings:
+    """Read ``ddp.*`` once; explicit arguments win over configuration.
+
+    >>> resolve(timeout="90s").timeout
+    90.0
+    """
+    get = dask.config.get
+    return Settings(
+        backend=backend if backend is not None else get("ddp.backend"),
+        timeout=_seconds(timeout if timeout is not None else get("ddp.timeout"), "timeout"),
+        rendezvous_timeout=_seconds(get("ddp.rendezvous-timeout"), "rendezvous-timeout"),
+        failure_grace=_seconds(get("ddp.failure-grace"), "failure-grace"),
+        gpu_count=_optional_int(get("ddp.gpu-count"), "gpu-count"),
+        threads_per_rank=_optional_int(get("ddp.threads-per-rank"), "threads-per-rank"),
+        allow_daemon_children=bool(get("ddp.allow-daemon-children")),
+    )

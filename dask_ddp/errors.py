@@ -1,0 +1,202 @@
+"""The exceptions dask_ddp raises.
+
+Every class derives from :class:`DaskDDPError` and, where one fits, from the built-in
+exception with the same meaning (``TimeoutError``, ``ValueError``, ...), so existing
+``except`` clauses keep working. Each keeps its fields as attributes, passes them to
+``super().__init__`` so that it pickles back from a worker, and builds its message in
+``__str__``: what happened, where (rank, worker, task key) and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "DaskDDPError",
+    "JobCancelledError",
+    "NoWorkersError",
+    "NotInRankError",
+    "NotPicklableError",
+    "PeerFailedError",
+    "PlacementError",
+    "RankAbortedError",
+    "RankFailedError",
+    "RendezvousTimeoutError",
+    "WorkerBusyError",
+    "WorkerLostError",
+]
+
+
+class DaskDDPError(Exception):
+    """Base class of every error dask_ddp raises."""
+
+
+class NoWorkersError(DaskDDPError, RuntimeError):
+    """The cluster has no workers to place ranks on."""
+
+    def __init__(self, scheduler: str) -> None:
+        super().__init__(scheduler)
+        self.scheduler = scheduler
+
+    def __str__(self) -> str:
+        return (
+            f"the Dask cluster at {self.scheduler} has no workers, so no rank can start. "
+            "Start workers (cluster.scale(2)) or wait for them with "
+            "client.wait_for_workers(2) before launching."
+        )
+
+
+class PlacementError(DaskDDPError, ValueError):
+    """The ``workers=`` argument cannot be satisfied by this cluster."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotPicklableError(DaskDDPError, TypeError):
+    """The function or its arguments cannot be sent to the workers."""
+
+    def __init__(self, what: str, cause: str) -> None:
+        super().__init__(what, cause)
+        self.what, self.cause = what, cause
+
+    def __str__(self) -> str:
+        return (
+            f"{self.what} cannot be pickled to send it to the workers: {self.cause}. "
+            "Define the function at module level or in a notebook cell, and pass plain data "
+            "(no open files, locks, clients or CUDA tensors) as its arguments."
+        )
+
+
+class BackendUnavailableError(DaskDDPError, ValueError):
+    """The requested torch.distributed backend cannot run on the chosen workers."""
+
+    def __init__(self, backend: str, worker: str, reason: str, fix: str) -> None:
+        super().__init__(backend, worker, reason, fix)
+        self.backend, self.worker, self.reason, self.fix = backend, worker, reason, fix
+
+    def __str__(self) -> str:
+        return f"backend={self.backend!r} cannot run on worker {self.worker}: {self.reason}. {self.fix}"
+
+
+class WorkerBusyError(DaskDDPError, RuntimeError):
+    """A chosen worker is already running a rank of another job."""
+
+    def __init__(self, worker: str, other_key: str) -> None:
+        super().__init__(worker, other_key)
+        self.worker, self.other_key = worker, other_key
+
+    def __str__(self) -> str:
+        return (
+            f"worker {self.worker} is running another dask_ddp rank ({self.other_key}); one "
+            "worker process runs one rank at a time. Wait for that job (job.result()), or "
+            "launch on other workers with workers=[...]."
+        )
+
+
+class RendezvousTimeoutError(DaskDDPError, TimeoutError):
+    """Not every rank joined the process group in time."""
+
+    def __init__(self, rank: int, worker: str, key: str, timeout: float, cause: str) -> None:
+        super().__init__(rank, worker, key, timeout, cause)
+        self.rank, self.worker, self.key = rank, worker, key
+        self.timeout, self.cause = timeout, cause
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} on {self.worker} (task {self.key}) waited {self.timeout:g} s for "
+            f"the other ranks to join the process group: {self.cause}. A rank that did not "
+            "start is usually queued behind other tasks on its worker; free those workers, or "
+            "raise the limit with dask.config.set({'ddp.rendezvous-timeout': '5 minutes'})."
+        )
+
+
+class RankFailedError(DaskDDPError):
+    """A rank raised; the job was stopped. Raised on the client.
+
+    The rank's own exception is chained as ``__cause__`` and its traceback, as the rank saw
+    it, is in ``rank_traceback``.
+    """
+
+    def __init__(
+        self, rank: int, worker: str, key: str, cause: str, rank_traceback: str = ""
+    ) -> None:
+        super().__init__(rank, worker, key, cause, rank_traceback)
+        self.rank, self.worker, self.key = rank, worker, key
+        self.cause, self.rank_traceback = cause, rank_traceback
+
+    def __str__(self) -> str:
+        text = (
+            f"rank {self.rank} failed on {self.worker} (task {self.key}): {self.cause}. "
+            "The other ranks were stopped; fix the error in the rank's traceback"
+        )
+        if self.rank_traceback:
+            text += f":\n\n{self.rank_traceback.rstrip()}"
+        return text
+
+
+class WorkerLostError(DaskDDPError):
+    """A rank's worker left the cluster while the rank ran. Raised on the client."""
+
+    def __init__(self, rank: int, worker: str, key: str) -> None:
+        super().__init__(rank, worker, key)
+        self.rank, self.worker, self.key = rank, worker, key
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} was lost: its worker {self.worker} left the cluster while it ran "
+            f"task {self.key} (killed, out of memory, or removed). The other ranks were stopped."
+        )
+
+
+class PeerFailedError(DaskDDPError):
+    """Raised on a rank that stopped because another rank failed first."""
+
+    def __init__(self, rank: int, failed_rank: int, cause: str) -> None:
+        super().__init__(rank, failed_rank, cause)
+        self.rank, self.failed_rank, self.cause = rank, failed_rank, cause
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} stopped because rank {self.failed_rank} failed first "
+            f"({self.cause}); see rank {self.failed_rank}'s error for the cause"
+        )
+
+
+class RankAbortedError(DaskDDPError):
+    """Raised inside a rank that the client stopped (cancel, or another rank failed)."""
+
+    def __init__(self, rank: int, job: str, reason: str) -> None:
+        super().__init__(rank, job, reason)
+        self.rank, self.job, self.reason = rank, job, reason
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} of job {self.job} was stopped: {self.reason}"
+
+
+class JobCancelledError(DaskDDPError):
+    """``Job.result()`` was called on a job that was cancelled."""
+
+    def __init__(self, job: str) -> None:
+        super().__init__(job)
+        self.job = job
+
+    def __str__(self) -> str:
+        return f"job {self.job} was cancelled; launch it again to get a result"
+
+
+class NotInRankError(DaskDDPError, RuntimeError):
+    """A rank-only function was called outside a dask_ddp rank."""
+
+    def __init__(self, function: str) -> None:
+        super().__init__(function)
+        self.function = function
+
+    def __str__(self) -> str:
+        return (
+            f"{self.function}() works only inside a function started by dask_ddp.launch() or "
+            "dask_ddp.dispatch.run(); here no rank is running. Call it from the training function."
+        )

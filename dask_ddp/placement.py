@@ -1,0 +1,242 @@
+"""Pure planning: which worker runs which rank, and what each rank sees.
+
+Nothing here talks to the cluster: :mod:`dask_ddp.dispatch` collects worker information
+and calls these functions, so every rule is tested without a cluster or a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from collections.abc import Mapping, Sequence
+
+from .errors import BackendUnavailableError, PlacementError
+
+__all__ = [
+    "RankPlacement",
+    "WorkerInfo",
+    "choose_backend",
+    "order_workers",
+    "parse_visible_devices",
+    "plan_ranks",
+    "rotate_devices",
+    "select_workers",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """What placement needs to know of one Dask worker.
+
+    ``cuda_visible_devices`` is the worker's own ``CUDA_VISIBLE_DEVICES`` (``None`` when
+    unset); ``gpu_count`` is how many GPUs the worker process can see.
+    """
+
+    address: str
+    host: str
+    gpu_count: int = 0
+    cuda_visible_devices: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank runs and the environment it gets.
+
+    ``cuda_visible_devices`` is the value to set in the rank, or ``None`` to leave the
+    worker's environment as it is (no GPUs, or dask-cuda already chose).
+    """
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    world_size: int
+    worker: str
+    host: str
+    use_gpu: bool
+    cuda_visible_devices: str | None
+
+
+def _address_key(address: str) -> tuple[str, int, str]:
+    """Sort key for worker addresses: numeric port order on the same host."""
+    head, _, port = address.rpartition(":")
+    return (head, int(port), address) if port.isdigit() else (address, 0, address)
+
+
+def order_workers(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+    """Group workers by host (hosts sorted), then by address within a host.
+
+    Rank 0 is the first worker of the result.
+
+    >>> [w.address for w in order_workers([WorkerInfo("tcp://b:10", "b"),
+    ...     WorkerInfo("tcp://a:9", "a"), WorkerInfo("tcp://b:9", "b")])]
+    ['tcp://a:9', 'tcp://b:9', 'tcp://b:10']
+    """
+    return sorted(workers, key=lambda w: (w.host, _address_key(w.address)))
+
+
+def rotate_devices(local_rank: int, visible: Sequence[str]) -> str:
+    """Put ``visible[local_rank]`` first and keep the order of the rest.
+
+    This is dask-cuda's convention: the rank's own GPU becomes ``cuda:0`` while every GPU
+    stays visible (for peer-to-peer copies).
+
+    >>> rotate_devices(2, [str(i) for i in range(8)])
+    '2,3,4,5,6,7,0,1'
+    >>> rotate_devices(1, ["0", "1", "2", "GPU-9baca7f5"])
+    '1,2,GPU-9baca7f5,0'
+    """
+    if not visible:
+        raise ValueError("rotate_devices needs at least one visible device")
+    i = local_rank % len(visible)
+    return ",".join([*visible[i:], *visible[:i]])
+
+
+def parse_visible_devices(value: str | None) -> list[str] | None:
+    """Split a ``CUDA_VISIBLE_DEVICES`` value; ``None`` when unset.
+
+    >>> parse_visible_devices("0, 3,GPU-9baca7f5")
+    ['0', '3', 'GPU-9baca7f5']
+    >>> parse_visible_devices("") == []
+    True
+    """
+    if value is None:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _cuda_env(worker: WorkerInfo, local_rank: int, host_workers: Sequence[WorkerInfo]) -> str | None:
+    if worker.gpu_count <= 0:
+        return None
+    own = parse_visible_devices(worker.cuda_visible_devices)
+    if own is None:
+        return rotate_devices(local_rank, [str(i) for i in range(worker.gpu_count)])
+    # A worker with its own CUDA_VISIBLE_DEVICES: dask-cuda gives each worker a different
+    # rotation, and then the worker's GPU is already cuda:0. Rotate only when every worker
+    # on the host sees the same list (set once for the whole host by the user).
+    lists = {tuple(parse_visible_devices(w.cuda_visible_devices) or ()) for w in host_workers}
+    if len(host_workers) > 1 and len(lists) == 1 and own:
+        return rotate_devices(local_rank, own)
+    return None
+
+
+def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
+    """Plan one rank per worker: global rank, local rank and node rank, and GPU visibility.
+
+    Workers are grouped by host (:func:`order_workers`); local ranks restart at 0 on each
+    host and node ranks count hosts. A worker that sees ``gpu_count`` GPUs and has no
+    ``CUDA_VISIBLE_DEVICES`` of its own gets the GPU list rotated by its local rank.
+
+    >>> plan = plan_ranks([WorkerInfo("tcp://h:2", "h", 8), WorkerInfo("tcp://h:1", "h", 8),
+    ...                    WorkerInfo("tcp://h:3", "h", 8)])
+    >>> [(p.rank, p.worker, p.cuda_visible_devices) for p in plan]  # doctest: +NORMALIZE_WHITESPACE
+    [(0, 'tcp://h:1', '0,1,2,3,4,5,6,7'), (1, 'tcp://h:2', '1,2,3,4,5,6,7,0'),
+     (2, 'tcp://h:3', '2,3,4,5,6,7,0,1')]
+    """
+    ordered = order_workers(workers)
+    if not ordered:
+        raise PlacementError("no workers to plan ranks on")
+    hosts: dict[str, list[WorkerInfo]] = {}
+    for w in ordered:
+        hosts.setdefault(w.host, []).append(w)
+    if len(hosts) > 1 and _is_loopback(ordered[0].host):
+        raise PlacementError(
+            f"rank 0's worker {ordered[0].address} is registered under the loopback address "
+            f"{ordered[0].host}, but ranks span {len(hosts)} hosts, so the others could not reach "
+            "it. Start that worker with --host set to an address the other hosts can reach."
+        )
+    plan = []
+    for node_rank, host_workers in enumerate(hosts.values()):
+        for local_rank, w in enumerate(host_workers):
+            plan.append(
+                RankPlacement(
+                    rank=len(plan),
+                    local_rank=local_rank,
+                    local_world_size=len(host_workers),
+                    node_rank=node_rank,
+                    world_size=len(ordered),
+                    worker=w.address,
+                    host=w.host,
+                    use_gpu=w.gpu_count > 0,
+                    cuda_visible_devices=_cuda_env(w, local_rank, host_workers),
+                )
+            )
+    return plan
+
+
+def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tuple[str, str]:
+    """Pick the torch.distributed backend and say why.
+
+    ``None`` picks nccl when every worker sees a GPU, else gloo. Asking for nccl where a
+    worker has no GPU raises :class:`~dask_ddp.errors.BackendUnavailableError`.
+
+    >>> choose_backend(None, [WorkerInfo("tcp://a:1", "a", 0)])
+    ('gloo', 'no GPU on tcp://a:1')
+    >>> choose_backend(None, [WorkerInfo("tcp://a:1", "a", 1)])[0]
+    'nccl'
+    """
+    no_gpu = [w for w in workers if w.gpu_count <= 0]
+    if requested is None:
+        if no_gpu:
+            return "gloo", f"no GPU on {no_gpu[0].address}"
+        return "nccl", "every worker sees a GPU"
+    backend = str(requested).lower()
+    if backend == "nccl" and no_gpu:
+        raise BackendUnavailableError(
+            "nccl",
+            no_gpu[0].address,
+            "nccl needs a CUDA GPU and this worker sees none",
+            "Pass backend='gloo' (or backend=None to choose automatically).",
+        )
+    return backend, "requested"
+
+
+def select_workers(
+    available: Mapping[str, str], requested: int | Sequence[str] | None
+) -> list[str]:
+    """Choose worker addresses from ``available`` (address -> host).
+
+    ``None`` takes every worker; an int takes that many, spread over hosts in rank order;
+    a sequence names addresses (or worker names mapped by the caller) explicitly.
+
+    >>> select_workers({"tcp://a:1": "a", "tcp://b:1": "b"}, 1)
+    ['tcp://a:1']
+    """
+    if requested is None:
+        return list(available)
+    if isinstance(requested, bool) or not isinstance(requested, (int, Sequence)) or isinstance(
+        requested, str
+    ):
+        raise PlacementError(
+            f"workers= takes a number of workers or a list of worker addresses; got {requested!r}"
+        )
+    if isinstance(requested, int):
+        if requested < 1:
+            raise PlacementError(f"workers={requested} asks for no ranks; ask for at least 1")
+        if requested > len(available):
+            raise PlacementError(
+                f"workers={requested} asks for more ranks than the cluster has workers "
+                f"({len(available)}). Scale the cluster (cluster.scale({requested})) or ask for "
+                f"at most {len(available)}."
+            )
+        infos = [WorkerInfo(a, h) for a, h in available.items()]
+        return [w.address for w in order_workers(infos)[:requested]]
+    chosen = list(dict.fromkeys(requested))
+    if len(chosen) != len(requested):
+        raise PlacementError(f"workers= names a worker twice: {list(requested)!r}")
+    unknown = [a for a in chosen if a not in available]
+    if unknown:
+        raise PlacementError(
+            f"workers= names {unknown!r}, which the scheduler does not know; it has "
+            f"{sorted(available)!r}"
+        )
+    if not chosen:
+        raise PlacementError("workers= is an empty list; name at least one worker")
+    return chosen
