@@ -20,6 +20,8 @@ import gc
 import logging
 import multiprocessing
 import os
+import socket
+import stat
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -65,11 +67,13 @@ class _ActiveRank:
     thread_id: int
     running: bool = True
     abort_reason: str | None = None
+    links: frozenset[int] = frozenset()  # socket fds the process group opened (gloo)
 
 
 # One rank per worker process at a time: the default process group, the environment and
 # the torch thread count are per process. Keyed state below is per job id.
 _lock = threading.Lock()
+_slot_free = threading.Condition(_lock)
 _active: _ActiveRank | None = None
 _stores: dict[str, Any] = {}
 
@@ -112,9 +116,7 @@ async def probe_worker(
     gpus = await loop.run_in_executor(None, _gpu_count)
     port = None
     if dask_worker.address == store_worker:
-        port = await loop.run_in_executor(
-            None, _open_store, job_id, dask_worker.ip, store_timeout
-        )
+        port = await loop.run_in_executor(None, _open_store, job_id, dask_worker.ip, store_timeout)
     active = _active
     return {
         "gpu_count": gpus,
@@ -142,6 +144,7 @@ def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
         if active is None or active.job_id != job_id or not active.running:
             return False
         active.abort_reason = reason
+        _sever(active)
         ctypes.pythonapi.PyThreadState_SetAsyncExc(
             ctypes.c_ulong(active.thread_id), ctypes.py_object(_Abort)
         )
@@ -152,20 +155,21 @@ def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
 @contextlib.contextmanager
 def _claim_slot(spec: RankSpec) -> Iterator[_ActiveRank]:
     global _active
-    with _lock:
-        if _active is not None:
+    with _slot_free:
+        # Another job's rank in this process (a worker with several threads): queue behind
+        # it, as Dask queues tasks on a single-threaded worker.
+        if not _slot_free.wait_for(lambda: _active is None, timeout=spec.rendezvous_timeout):
             raise WorkerBusyError(spec.placement.worker, _active.key)
-        _active = _ActiveRank(
-            spec.job_id, spec.key, spec.placement.rank, threading.get_ident()
-        )
+        _active = _ActiveRank(spec.job_id, spec.key, spec.placement.rank, threading.get_ident())
         slot = _active
     try:
         yield slot
     finally:
-        with _lock:
+        _release_process_group()  # again here: an abort may have cut run_rank's cleanup short
+        with _slot_free:
             slot.running = False
             _active = None
-        _release_process_group()  # again here: an abort may have cut run_rank's cleanup short
+            _slot_free.notify()
 
 
 def _torchrun_env(spec: RankSpec) -> dict[str, str]:
@@ -249,8 +253,12 @@ def _connect_store(spec: RankSpec) -> Any:
             store = _stores.pop(spec.job_id, None)
         if store is None:
             raise RendezvousTimeoutError(
-                0, spec.placement.worker, spec.key, 0, "the job's store is gone from this worker "
-                "(the worker restarted after launch, or the job was cancelled)"
+                0,
+                spec.placement.worker,
+                spec.key,
+                0,
+                "the job's store is gone from this worker "
+                "(the worker restarted after launch, or the job was cancelled)",
             )
         return store
     try:
@@ -262,7 +270,10 @@ def _connect_store(spec: RankSpec) -> Any:
         )
     except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
         raise RendezvousTimeoutError(
-            spec.placement.rank, spec.placement.worker, spec.key, spec.rendezvous_timeout,
+            spec.placement.rank,
+            spec.placement.worker,
+            spec.key,
+            spec.rendezvous_timeout,
             f"could not reach rank 0's store at {spec.master_addr}:{spec.master_port} ({exc})",
         ) from exc
 
@@ -277,9 +288,67 @@ def _rendezvous(store: Any, spec: RankSpec) -> None:
     except (RuntimeError, TimeoutError) as exc:
         joined = store.add(_JOINED, 0)
         raise RendezvousTimeoutError(
-            spec.placement.rank, spec.placement.worker, spec.key, spec.rendezvous_timeout,
+            spec.placement.rank,
+            spec.placement.worker,
+            spec.key,
+            spec.rendezvous_timeout,
             f"only {joined} of {world} ranks joined",
         ) from exc
+
+
+def _socket_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        with contextlib.suppress(OSError, ValueError):
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                fds.add(int(name))
+    return fds
+
+
+def _pg_links(before: set[int], dask_ports: set[int]) -> frozenset[int]:
+    """Sockets opened by init_process_group: new since ``before``, not Dask's own comms."""
+    links = set()
+    for fd in _socket_fds() - before:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=fd)
+            try:
+                local, remote = sock.getsockname(), sock.getpeername()
+            except OSError:
+                continue  # a listening socket: no peer to release
+            finally:
+                sock.detach()
+            if local[1] not in dask_ports and remote[1] not in dask_ports:
+                links.add(fd)
+    return frozenset(links)
+
+
+def _sever(slot: _ActiveRank) -> None:
+    """Shut down the rank's process-group connections so that peers blocked in a collective
+    with this rank fail at once ("Connection closed by peer") instead of waiting for the
+    collective timeout. gloo keeps its connections open as long as anything (a DDP module in
+    a traceback, say) holds the group, and neither abort() nor destroy_process_group() closes
+    them; a closed connection is what releases the peers, as when a process dies. The fds
+    stay gloo's: they are shut down, never closed here. Call with ``_lock`` held, while the
+    group is alive.
+    """
+    for fd in slot.links:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.detach()
+
+
+def _dask_ports() -> set[int]:
+    from distributed import get_worker
+    from distributed.comm import parse_host_port
+
+    worker = get_worker()
+    ports = {worker.port}
+    with contextlib.suppress(Exception):
+        ports.add(parse_host_port(worker.scheduler.address.split("://")[-1])[1])
+    return ports
 
 
 def _first_failure(store: Any, rank: int) -> int | None:
@@ -317,6 +386,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
         if p.use_gpu and torch.cuda.is_available():
             torch.cuda.set_device(0)
         if spec.init_process_group:
+            before = _socket_fds()
             dist.init_process_group(
                 spec.backend,
                 store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
@@ -324,6 +394,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
                 world_size=p.world_size,
                 timeout=timedelta(seconds=spec.timeout),
             )
+            slot.links = _pg_links(before, _dask_ports())
         ctx = RankContext(
             rank=p.rank,
             local_rank=p.local_rank,
@@ -348,6 +419,8 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
             if slot.abort_reason is not None:
                 raise RankAbortedError(p.rank, spec.job_id, slot.abort_reason) from exc
             first = _first_failure(store, p.rank)
+            with _lock:
+                _sever(slot)
             if first is not None:
                 raise PeerFailedError(p.rank, first, f"{type(exc).__name__}: {exc}") from exc
             raise

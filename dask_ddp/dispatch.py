@@ -20,7 +20,7 @@ from distributed import Client, Future
 
 from . import bootstrap, config, script
 from .config import TimeoutLike
-from .errors import NoWorkersError, NotPicklableError, WorkerBusyError
+from .errors import NotPicklableError, NoWorkersError
 from .job import Job
 from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, select_workers
 
@@ -34,7 +34,7 @@ def _check_picklable(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, A
     for what, value in ((f"the function {name!r}", fn), ("its args", args), ("its kwargs", kwargs)):
         try:
             cloudpickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - pickling raises many types; we name them all
+        except Exception as exc:
             raise NotPicklableError(what, f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -101,8 +101,12 @@ def launch(
         ``fn`` or its arguments cannot be sent to the workers.
     BackendUnavailableError
         ``backend="nccl"`` on a worker without a GPU.
-    WorkerBusyError
-        A chosen worker is running a rank of another job.
+
+    Notes
+    -----
+    A chosen worker that is running another job's rank runs this job's rank afterwards, as
+    Dask queues tasks. The ranks that started first wait up to ``ddp.rendezvous-timeout``
+    for the others, then the job fails with :class:`~dask_ddp.errors.RendezvousTimeoutError`.
 
     Examples
     --------
@@ -115,8 +119,15 @@ def launch(
     [0, 1]
     """
     return _launch(
-        client, fn, args, kwargs, workers=workers, backend=backend, timeout=timeout,
-        pass_local_rank=pass_local_rank, init_process_group=True,
+        client,
+        fn,
+        args,
+        kwargs,
+        workers=workers,
+        backend=backend,
+        timeout=timeout,
+        pass_local_rank=pass_local_rank,
+        init_process_group=True,
     )
 
 
@@ -154,15 +165,22 @@ def _launch(
         workers=chosen,
     )
     try:
-        busy = {a: p["busy"] for a, p in probes.items() if p["busy"]}
-        if busy:
-            worker, key = next(iter(busy.items()))
-            raise WorkerBusyError(worker, key)
+        for worker, probe in probes.items():
+            if probe["busy"]:
+                logger.info(
+                    "job %s: worker %s is running %s; this job's rank waits for it "
+                    "(up to ddp.rendezvous-timeout for the other ranks)",
+                    job_id,
+                    worker,
+                    probe["busy"],
+                )
         infos = [
             WorkerInfo(
                 address=a,
                 host=info[a]["host"],
-                gpu_count=settings.gpu_count if settings.gpu_count is not None else probes[a]["gpu_count"],
+                gpu_count=settings.gpu_count
+                if settings.gpu_count is not None
+                else probes[a]["gpu_count"],
                 cuda_visible_devices=probes[a]["cuda_visible_devices"],
             )
             for a in chosen
@@ -175,7 +193,13 @@ def _launch(
     port = probes[rank0.address]["store_port"]
     logger.info(
         "job %s: %d ranks on %d hosts, backend %s (%s), rendezvous at %s:%d",
-        job_id, len(plan), plan[-1].node_rank + 1, chosen_backend, why, rank0.host, port,
+        job_id,
+        len(plan),
+        plan[-1].node_rank + 1,
+        chosen_backend,
+        why,
+        rank0.host,
+        port,
     )
 
     futures = []
@@ -245,8 +269,14 @@ def launch_script(
     with open(path, encoding="utf-8") as f:
         source = f.read()
     return _launch(
-        client, script.run_script, (source, path, [str(a) for a in args]), None,
-        workers=workers, backend=backend, timeout=timeout, pass_local_rank=False,
+        client,
+        script.run_script,
+        (source, path, [str(a) for a in args]),
+        None,
+        workers=workers,
+        backend=backend,
+        timeout=timeout,
+        pass_local_rank=False,
         init_process_group=False,
     )
 

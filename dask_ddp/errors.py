@@ -79,11 +79,14 @@ class BackendUnavailableError(DaskDDPError, ValueError):
         self.backend, self.worker, self.reason, self.fix = backend, worker, reason, fix
 
     def __str__(self) -> str:
-        return f"backend={self.backend!r} cannot run on worker {self.worker}: {self.reason}. {self.fix}"
+        return (
+            f"backend={self.backend!r} cannot run on worker {self.worker}: {self.reason}. "
+            f"{self.fix}"
+        )
 
 
 class WorkerBusyError(DaskDDPError, RuntimeError):
-    """A chosen worker is already running a rank of another job."""
+    """A worker process stayed busy with another job's rank for the whole rendezvous timeout."""
 
     def __init__(self, worker: str, other_key: str) -> None:
         super().__init__(worker, other_key)
@@ -91,9 +94,9 @@ class WorkerBusyError(DaskDDPError, RuntimeError):
 
     def __str__(self) -> str:
         return (
-            f"worker {self.worker} is running another dask_ddp rank ({self.other_key}); one "
-            "worker process runs one rank at a time. Wait for that job (job.result()), or "
-            "launch on other workers with workers=[...]."
+            f"worker {self.worker} is still running another dask_ddp rank ({self.other_key}); "
+            "one worker process runs one rank at a time. Wait for that job (job.result()) "
+            "before launching, or launch on other workers with workers=[...]."
         )
 
 

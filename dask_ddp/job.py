@@ -180,7 +180,7 @@ class Job:
             for unsubscribe in self._unsubscribe:
                 try:
                     unsubscribe()
-                except Exception:  # noqa: BLE001 - the client may be closing; nothing to undo
+                except Exception:
                     logger.debug("job %s: unsubscribe failed", self.job_id, exc_info=True)
             self._done.set()
 
@@ -194,7 +194,9 @@ class Job:
                 self._state = JobState.CANCELLED
                 return
             if kind == "lost" and rank not in finished:
-                self._fail(WorkerLostError(rank, self.workers[rank], self.futures[rank].key), finished)
+                self._fail(
+                    WorkerLostError(rank, self.workers[rank], self.futures[rank].key), finished
+                )
                 return
             if kind != "done" or rank in finished:
                 continue
@@ -203,7 +205,9 @@ class Job:
                 self._fail(self._rank_error(rank), finished)
                 return
             if self.futures[rank].status == "cancelled":
-                self._stop("a rank's task was cancelled", set(range(self.world_size)) - finished, finished)
+                self._stop(
+                    "a rank's task was cancelled", set(range(self.world_size)) - finished, finished
+                )
                 self._error = JobCancelledError(self.job_id)
                 self._state = JobState.CANCELLED
                 return
@@ -225,7 +229,10 @@ class Job:
     def _fail(self, error: BaseException, finished: set[int]) -> None:
         """Find the first-failing rank's error, stop the rest, and record the outcome."""
         deadline = time.monotonic() + self._grace
-        while isinstance(error, (PeerFailedError, RankAbortedError)) and len(finished) < self.world_size:
+        while (
+            isinstance(error, (PeerFailedError, RankAbortedError))
+            and len(finished) < self.world_size
+        ):
             try:
                 kind, rank = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -241,7 +248,11 @@ class Job:
         self._error = error
         self._state = JobState.FAILED
         logger.warning("job %s failed: %s", self.job_id, error)
-        self._stop(f"another rank failed ({type(error).__name__})", set(range(self.world_size)) - finished, finished)
+        self._stop(
+            f"another rank failed ({type(error).__name__})",
+            set(range(self.world_size)) - finished,
+            finished,
+        )
 
     def _stop(self, reason: str, running: set[int], finished: set[int]) -> None:
         """Stop the ranks in ``running``: abort in place, then restart stuck workers."""
@@ -249,8 +260,10 @@ class Job:
         targets = sorted({self.workers[r] for r in running})
         if targets:
             try:
-                client.run(bootstrap.abort_rank, self.job_id, reason, workers=targets, on_error="ignore")
-            except Exception:  # noqa: BLE001 - workers may be gone; the restart below covers them
+                client.run(
+                    bootstrap.abort_rank, self.job_id, reason, workers=targets, on_error="ignore"
+                )
+            except Exception:
                 logger.debug("job %s: abort request failed", self.job_id, exc_info=True)
         deadline = time.monotonic() + self._grace
         while running - finished:
@@ -265,20 +278,28 @@ class Job:
         if stuck:
             logger.warning(
                 "job %s: ranks on %s did not stop within %.0f s (blocked in a collective); "
-                "restarting those workers", self.job_id, stuck, self._grace,
+                "restarting those workers",
+                self.job_id,
+                stuck,
+                self._grace,
             )
             try:
                 client.restart_workers(stuck, raise_for_error=False)
-            except Exception:  # noqa: BLE001 - a worker that cannot restart is already gone
+            except Exception:
                 logger.warning("job %s: could not restart %s", self.job_id, stuck, exc_info=True)
         try:
-            client.run(bootstrap.drop_store, self.job_id, workers=[self._store_worker], on_error="ignore")
-        except Exception:  # noqa: BLE001 - rank 0's worker is gone, and its store with it
+            client.run(
+                bootstrap.drop_store, self.job_id, workers=[self._store_worker], on_error="ignore"
+            )
+        except Exception:
             logger.debug("job %s: store cleanup failed", self.job_id, exc_info=True)
 
     # -- display ----------------------------------------------------------------------
     def __repr__(self) -> str:
-        return f"<dask_ddp.Job {self.job_id}: {self.state.value}, {self.world_size} ranks, {self.backend}>"
+        return (
+            f"<dask_ddp.Job {self.job_id}: {self.state.value}, {self.world_size} ranks, "
+            f"{self.backend}>"
+        )
 
     def _repr_html_(self) -> str:
         rows = "".join(

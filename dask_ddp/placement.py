@@ -112,7 +112,9 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _cuda_env(worker: WorkerInfo, local_rank: int, host_workers: Sequence[WorkerInfo]) -> str | None:
+def _cuda_env(
+    worker: WorkerInfo, local_rank: int, host_workers: Sequence[WorkerInfo]
+) -> str | None:
     if worker.gpu_count <= 0:
         return None
     own = parse_visible_devices(worker.cuda_visible_devices)
@@ -146,11 +148,13 @@ def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
     hosts: dict[str, list[WorkerInfo]] = {}
     for w in ordered:
         hosts.setdefault(w.host, []).append(w)
-    if len(hosts) > 1 and _is_loopback(ordered[0].host):
+    loopback = [w for w in ordered if _is_loopback(w.host)]
+    if len(hosts) > 1 and loopback:
         raise PlacementError(
-            f"rank 0's worker {ordered[0].address} is registered under the loopback address "
-            f"{ordered[0].host}, but ranks span {len(hosts)} hosts, so the others could not reach "
-            "it. Start that worker with --host set to an address the other hosts can reach."
+            f"worker {loopback[0].address} is registered under the loopback address "
+            f"{loopback[0].host}, but the ranks span {len(hosts)} hosts, so ranks on other hosts "
+            "could not reach it (MASTER_ADDR must never be a loopback address then). Start that "
+            "worker with --host set to an address the other hosts can reach."
         )
     plan = []
     for node_rank, host_workers in enumerate(hosts.values()):
@@ -211,8 +215,10 @@ def select_workers(
     """
     if requested is None:
         return list(available)
-    if isinstance(requested, bool) or not isinstance(requested, (int, Sequence)) or isinstance(
-        requested, str
+    if (
+        isinstance(requested, bool)
+        or not isinstance(requested, (int, Sequence))
+        or isinstance(requested, str)
     ):
         raise PlacementError(
             f"workers= takes a number of workers or a list of worker addresses; got {requested!r}"

@@ -1,0 +1,317 @@
+"""The dispatcher on a real LocalCluster (worker processes, gloo)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import Client, Event
+from distributed.utils_test import poll_for
+
+import dask_ddp
+from dask_ddp import dispatch
+
+
+def _seen_by_rank(tag: str, *, local_rank: int | None = None) -> dict:
+    ctx = dask_ddp.get_context()
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    return {
+        "tag": tag,
+        "local_rank_kwarg": local_rank,
+        "ctx": ctx,
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "CUDA_VISIBLE_DEVICES",
+            )
+        },
+        "initialized": dist.is_initialized(),
+        "backend": dist.get_backend(),
+        "sum": t.item(),
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
+
+
+def _worker_state() -> dict:
+    import multiprocessing
+
+    return {
+        "rank_env": {k: os.environ.get(k) for k in ("RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")},
+        "initialized": dist.is_initialized(),
+        "threads": torch.get_num_threads(),
+        "daemon": multiprocessing.current_process().daemon,
+    }
+
+
+def test_ranks_env_and_context(client: Client) -> None:
+    before = client.run(_worker_state)
+    job = dask_ddp.launch(client, _seen_by_rank, args=("a",))
+    out = job.result(timeout=120)
+    assert [o["ctx"].rank for o in out] == [0, 1]
+    workers = job.workers
+    for rank, o in enumerate(out):
+        ctx = o["ctx"]
+        assert ctx.world_size == 2 and ctx.local_world_size == 2
+        assert ctx.local_rank == rank and ctx.node_rank == 0
+        assert ctx.backend == "gloo" == o["backend"] == job.backend
+        assert ctx.device == torch.device("cpu")
+        assert ctx.attempt == 0 and ctx.worker == workers[rank]
+        assert o["initialized"] and o["sum"] == 3.0
+        env = o["env"]
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["LOCAL_RANK"] == str(rank) and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" == ctx.master_addr
+        assert env["MASTER_PORT"] == str(ctx.master_port) != "23456"
+        assert env["CUDA_VISIBLE_DEVICES"] is None  # no GPUs: nothing rotated
+        assert o["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert out[0]["pid"] != out[1]["pid"]
+    # The worker is left as it was: environment, process group, threads.
+    assert client.run(_worker_state) == before
+
+
+def test_run_is_dask_pytorch_ddp_compatible(client: Client) -> None:
+    futures = dispatch.run(client, _seen_by_rank, "positional", pass_local_rank=True)
+    assert len(futures) == 2
+    out = [f.result(timeout=120) for f in futures]
+    assert [o["tag"] for o in out] == ["positional", "positional"]
+    assert [o["local_rank_kwarg"] for o in out] == [0, 1]
+    assert [o["ctx"].rank for o in out] == [0, 1]
+    assert all(f.key.startswith("dask-ddp-") for f in futures)
+
+
+def test_identical_arguments_train_again(client: Client) -> None:
+    first = dask_ddp.launch(client, time.time_ns)
+    second = dask_ddp.launch(client, time.time_ns)
+    assert first.result(timeout=60) != second.result(timeout=60)
+    assert {f.key for f in first.futures}.isdisjoint(f.key for f in second.futures)
+    assert first.job_id != second.job_id
+
+
+def _ddp_train(batches: torch.Tensor, targets: torch.Tensor, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    half = batches.shape[1] // ctx.world_size
+    for step in range(steps):
+        x = batches[step, ctx.rank * half : (ctx.rank + 1) * half]
+        y = targets[step, ctx.rank * half : (ctx.rank + 1) * half]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def test_ddp_matches_single_process_on_the_whole_batch(client: Client) -> None:
+    steps, b = 6, 8
+    g = torch.Generator().manual_seed(1)
+    batches = torch.randn(steps, 2 * b, 8, generator=g)
+    targets = torch.randn(steps, 2 * b, 1, generator=g)
+    per_rank = dask_ddp.launch(client, _ddp_train, args=(batches, targets, steps)).result(
+        timeout=120
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(batches[step]), targets[step]).backward()
+        opt.step()
+    for name, value in model.state_dict().items():
+        for rank in (0, 1):
+            torch.testing.assert_close(per_rank[rank][name], value, rtol=1e-5, atol=1e-6)
+
+
+def _hold(name: str) -> int:
+    Event(name).wait(timeout=60)
+    return dask_ddp.get_context().master_port
+
+
+def test_two_concurrent_jobs_on_disjoint_workers(client: Client) -> None:
+    w0, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    release = Event("release-concurrent", client=client)
+    a = dask_ddp.launch(client, _hold, args=("release-concurrent",), workers=[w0])
+    b = dask_ddp.launch(client, _hold, args=("release-concurrent",), workers=[w1])
+    # Both ranks run at the same time: each waits on the same event.
+    _wait_until_processing(client, [a.futures[0].key, b.futures[0].key])
+    release.set()
+    (port_a,), (port_b,) = a.result(timeout=60), b.result(timeout=60)
+    assert port_a != port_b
+
+
+def _running(client: Client, keys: list[str]) -> bool:
+    processing = client.processing()
+    return set(keys) <= {k for on_worker in processing.values() for k in on_worker}
+
+
+def _wait_until_processing(client: Client, keys: list[str]) -> None:
+    poll_for(lambda: _running(client, keys), timeout=60)
+
+
+def _stamp() -> tuple[float, float]:
+    return time.time(), time.time()
+
+
+def test_job_on_a_busy_worker_waits_for_it(client: Client) -> None:
+    w0, _ = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    release = Event("release-busy", client=client)
+    first = dask_ddp.launch(client, _hold, args=("release-busy",), workers=[w0])
+    _wait_until_processing(client, [first.futures[0].key])
+    second = dask_ddp.launch(client, _stamp, workers=[w0])
+    assert not second.wait(timeout=1)  # queued behind the first job's rank
+    released_at = time.time()
+    release.set()
+    assert first.result(timeout=60)
+    ((started, _),) = second.result(timeout=60)
+    assert started >= released_at
+
+
+def _fail_at_step(bad_rank: int, fail_step: int) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(10_000):
+        if ctx.rank == bad_rank and step == fail_step:
+            raise ValueError(f"bad batch at step {step}")
+        opt.zero_grad()
+        model(torch.randn(4, 4)).sum().backward()
+        opt.step()
+    return step
+
+
+@pytest.mark.slow
+def test_failing_rank_fails_the_job_fast(own_cluster) -> None:
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        start = time.monotonic()
+        job = dask_ddp.launch(client, _fail_at_step, args=(1, 5))
+        with pytest.raises(dask_ddp.RankFailedError) as info:
+            job.result(timeout=60)
+        elapsed = time.monotonic() - start
+        assert elapsed < 20, f"the job took {elapsed:.1f} s to fail"
+        err = info.value
+        assert err.rank == 1 and err.worker == job.workers[1] and err.key == job.futures[1].key
+        assert "bad batch at step 5" in str(err)
+        assert "_fail_at_step" in err.rank_traceback  # the rank's own frames
+        assert isinstance(err.__cause__, ValueError)
+        assert job.state == dask_ddp.JobState.FAILED
+        # The same cluster runs the next job.
+        client.wait_for_workers(2, timeout="60s")
+        assert (
+            dask_ddp.launch(client, _seen_by_rank, args=("after",)).result(timeout=120)[1]["sum"]
+            == 3.0
+        )
+
+
+def _spin_forever() -> None:
+    while True:
+        time.sleep(0.01)
+
+
+def test_cancel_stops_every_rank(client: Client) -> None:
+    job = dask_ddp.launch(client, _spin_forever)
+    _wait_until_processing(client, [f.key for f in job.futures])
+    start = time.monotonic()
+    job.cancel()
+    assert time.monotonic() - start < 10
+    assert job.state == dask_ddp.JobState.CANCELLED
+    with pytest.raises(dask_ddp.JobCancelledError):
+        job.result()
+    assert (
+        dask_ddp.launch(client, _seen_by_rank, args=("after",)).result(timeout=120)[0]["sum"] == 3.0
+    )
+
+
+def test_gpu_count_override_rotates_visible_devices(client: Client) -> None:
+    import dask
+
+    with dask.config.set({"ddp.gpu-count": 4}):
+        out = dask_ddp.launch(client, _seen_by_rank, args=("gpu",), backend="gloo").result(
+            timeout=60
+        )
+    assert [o["env"]["CUDA_VISIBLE_DEVICES"] for o in out] == ["0,1,2,3", "1,2,3,0"]
+    assert [str(o["ctx"].device) for o in out] == ["cuda:0", "cuda:0"]
+    assert all(
+        v["rank_env"]["CUDA_VISIBLE_DEVICES"] is None for v in client.run(_worker_state).values()
+    )
+
+
+def test_nccl_without_gpus_fails_before_launch(client: Client) -> None:
+    with pytest.raises(dask_ddp.BackendUnavailableError, match="backend='gloo'"):
+        dask_ddp.launch(client, _seen_by_rank, args=("x",), backend="nccl")
+
+
+def test_errors_before_anything_runs(client: Client) -> None:
+    lock = threading.Lock()
+    with pytest.raises(dask_ddp.NotPicklableError, match="lock"):
+        dask_ddp.launch(client, lambda: lock.locked())
+    with pytest.raises(dask_ddp.NotPicklableError, match="its args"):
+        dask_ddp.launch(client, _seen_by_rank, args=(lock,))
+    with pytest.raises(dask_ddp.PlacementError, match="more ranks than the cluster has workers"):
+        dask_ddp.launch(client, _seen_by_rank, args=("x",), workers=3)
+    assert client.run(_worker_state)  # nothing was started
+
+
+def test_no_workers() -> None:
+    from distributed import LocalCluster
+
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty,
+        Client(empty) as c,pytest.raises(dask_ddp.NoWorkersError, match="no workers")
+    ):
+        dask_ddp.launch(c, _seen_by_rank, args=("x",))
+
+
+def test_get_context_outside_a_rank() -> None:
+    with pytest.raises(dask_ddp.NotInRankError, match="inside a function started by"):
+        dask_ddp.get_context()
+
+
+def _load_with_workers(context: str | None) -> list[int]:
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(32))
+    mp = multiprocessing.get_context(context) if context else None
+    loader = DataLoader(data, batch_size=8, num_workers=2, multiprocessing_context=mp)
+    return sorted(int(v) for (batch,) in loader for v in batch)
+
+
+@pytest.mark.parametrize("context", [None, "fork", "spawn"])
+def test_dataloader_workers_inside_a_daemonic_worker(client: Client, context: str | None) -> None:
+    assert all(s["daemon"] for s in client.run(_worker_state).values())
+    out = dask_ddp.launch(client, _load_with_workers, args=(context,)).result(timeout=120)
+    assert out == [list(range(32))] * 2
+    assert all(s["daemon"] for s in client.run(_worker_state).values())
+
+
+def test_public_names() -> None:
+    import types
+
+    public = {
+        name
+        for name, value in vars(dask_ddp).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert public == set(dask_ddp.__all__) - {"__version__"}
+    assert dask_ddp.dispatch.run is dask_ddp.run
