@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
-import gc
 import logging
 import multiprocessing
 import os
@@ -28,6 +27,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from . import events
 from .context import RankContext, _activated
 from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
 from .placement import RankPlacement
@@ -57,6 +57,8 @@ class RankSpec:
     pass_local_rank: bool
     placement: RankPlacement
     init_process_group: bool = True
+    event_flush_interval: float = 0.05  # ddp.event-flush-interval, resolved on the client
+    max_event_bytes: int = 65536  # ddp.max-event-bytes, resolved on the client
 
 
 @dataclasses.dataclass
@@ -410,9 +412,10 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
             master_port=spec.master_port,
         )
         logger.debug("job %s: rank %d joined on %s", spec.job_id, p.rank, p.worker)
+        channel = _open_channel(spec)
         try:
-            with _activated(ctx):
-                return fn(*args, **kwargs)
+            with _activated(ctx, channel):
+                value = fn(*args, **kwargs)
         except BaseException as exc:
             with _lock:
                 slot.running = False
@@ -427,16 +430,34 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
         finally:
             with _lock:
                 slot.running = False
+            # Sends what fn reported and the final count before the task finishes, so the
+            # client has every record when it sees the result. Never raises: on success
+            # its error is raised below, after a failure the rank's own error wins.
+            undelivered = channel.close()
             _release_process_group()
+        if undelivered is not None:
+            raise undelivered
+        return value
+
+
+def _open_channel(spec: RankSpec) -> events.RankChannel:
+    from distributed import get_worker
+
+    return events.RankChannel(
+        get_worker(),
+        spec.job_id,
+        spec.placement.rank,
+        interval=spec.event_flush_interval,
+        max_event_bytes=spec.max_event_bytes,
+    )
 
 
 def _release_process_group() -> None:
-    """Destroy the default group and drop what still refers to it, so peers see it close."""
+    """Destroy the default process group, if the rank (or its script) left one."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
 
 
 def format_exception(exc: BaseException) -> str:

@@ -1,0 +1,212 @@
+"""Launch latency and training speed: dask_ddp against dask-pytorch-ddp and torchrun.
+
+One run measures, with the same function and world size (2 ranks, gloo, CPU):
+
+- launch: time from the call to every rank being inside the function, and end to end for
+  a short job (call to gathered results), warm (on a cluster that has run a job before),
+  for ``dask_ddp.launch``, dask-pytorch-ddp's ``run()`` and ``torchrun`` (which always starts
+  cold: new processes that import torch);
+- training: steady steps per second of the same small CNN (batch 32) under dask_ddp,
+  dask-pytorch-ddp and torchrun, with the same threads per rank.
+
+The launchers are measured alternately (A, B, C, A, B, C, ...) after warm-up runs, and the
+medians and their ratios are printed::
+
+    pip install -e ".[bench]" -c constraints.txt
+    python benchmarks/launch.py --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+WORLD = 2
+
+
+def _model() -> torch.nn.Module:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(), nn.Linear(512, 10),
+    )  # fmt: skip
+
+
+def rank_fn(steps: int, warmup: int) -> dict:
+    """The benchmarked function: enter, train ``warmup + steps`` DDP steps, report."""
+    entered = time.time()
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not dist.is_initialized():  # torchrun child: initialise as a torchrun script would
+        dist.init_process_group("gloo")
+    model = DDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    start = time.perf_counter()
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    elapsed = time.perf_counter() - start
+    return {
+        "entered": entered,
+        "steps_per_s": steps / elapsed if steps else 0.0,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    out = rank_fn(args.steps, args.warmup)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def run_dask_ddp(client, steps: int, warmup: int) -> tuple[float, float, list[dict]]:
+    import dask_ddp
+
+    t0 = time.time()
+    out = dask_ddp.launch(client, rank_fn, args=(steps, warmup)).result()
+    return max(o["entered"] for o in out) - t0, time.time() - t0, out
+
+
+def run_predecessor(client, steps: int, warmup: int) -> tuple[float, float, list[dict]]:
+    from dask_pytorch_ddp import dispatch
+
+    t0 = time.time()
+    futures = dispatch.run(client, rank_fn, backend="gloo", steps=steps, warmup=warmup)
+    out = client.gather(futures)
+    return max(o["entered"] for o in out) - t0, time.time() - t0, out
+
+
+def run_torchrun(steps: int, warmup: int) -> tuple[float, float, list[dict]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "out.json")
+        t0 = time.time()
+        subprocess.run(
+            [
+                sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
+                "--standalone", os.path.abspath(__file__), "--child", "--out", out_path,
+                "--steps", str(steps), "--warmup", str(warmup),
+            ],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        total = time.time() - t0
+        with open(out_path) as f:
+            out = json.load(f)
+    return max(o["entered"] for o in out) - t0, total, out
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--warmup-runs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=200, help="timed training steps per run")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps before timing")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args)
+        return
+
+    import dask
+    import distributed
+    from distributed import Client, LocalCluster
+
+    import dask_ddp
+
+    try:
+        import dask_pytorch_ddp  # noqa: F401
+
+        has_predecessor = True
+    except ImportError:
+        has_predecessor = False
+        print("dask-pytorch-ddp is not installed (pip install -e '.[bench]'): skipping it")
+
+    launchers = {"dask_ddp": run_dask_ddp}
+    if has_predecessor:
+        launchers["dask-pytorch-ddp"] = run_predecessor
+    names = [*launchers, "torchrun"]
+    launch: dict[str, list[float]] = {n: [] for n in names}
+    total: dict[str, list[float]] = {n: [] for n in names}
+    speed: dict[str, list[float]] = {n: [] for n in names}
+    threads: dict[str, int] = {}
+
+    with LocalCluster(
+        n_workers=WORLD, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as cluster, Client(cluster) as client:
+        first_t0 = time.time()
+        first = dask_ddp.launch(client, rank_fn, args=(0, 0)).result()
+        cold = max(o["entered"] for o in first) - first_t0
+        for i in range(args.warmup_runs + args.runs):
+            for name in names:
+                # short job: launch latency and end-to-end
+                if name == "torchrun":
+                    entered, elapsed, _ = run_torchrun(0, 0)
+                    _, _, trained = run_torchrun(args.steps, args.warmup)
+                else:
+                    entered, elapsed, _ = launchers[name](client, 0, 0)
+                    _, _, trained = launchers[name](client, args.steps, args.warmup)
+                if i < args.warmup_runs:
+                    continue
+                launch[name].append(entered)
+                total[name].append(elapsed)
+                speed[name].append(_median([o["steps_per_s"] for o in trained]))
+                threads[name] = trained[0]["threads"]
+
+    print(f"\n{' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, dask {dask.__version__}, "
+        f"distributed {distributed.__version__}, dask_ddp {dask_ddp.__version__}, "
+        f"{os.cpu_count()} cores, {WORLD} ranks (gloo, CPU), {args.runs} runs (medians)"
+    )
+    print(f"dask_ddp first job on a fresh cluster (workers import torch): {cold:.2f} s to all ranks in fn")
+    header = f"{'launcher':<18}{'call->all in fn':>16}{'short job e2e':>15}{'steps/s':>10}{'threads':>9}"
+    print(header)
+    for name in names:
+        print(
+            f"{name:<18}{_median(launch[name]):>15.3f}s{_median(total[name]):>14.3f}s"
+            f"{_median(speed[name]):>10.1f}{threads[name]:>9}"
+        )
+    ours = "dask_ddp"
+    for name in names[1:]:
+        print(
+            f"ratio {name}/dask_ddp: launch {_median(launch[name]) / _median(launch[ours]):.2f}x, "
+            f"short job {_median(total[name]) / _median(total[ours]):.2f}x; "
+            f"dask_ddp steps/s / {name}: {_median(speed[ours]) / _median(speed[name]):.3f}"
+        )
+    print("every time (s), call -> all ranks in fn:")
+    for name in names:
+        print(f"  {name}: {', '.join(f'{t:.3f}' for t in launch[name])}")
+    print("every steady steps/s:")
+    for name in names:
+        print(f"  {name}: {', '.join(f'{t:.1f}' for t in speed[name])}")
+
+
+if __name__ == "__main__":
+    main()

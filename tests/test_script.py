@@ -1,0 +1,81 @@
+"""torchrun-style scripts through launch_script() and ``python -m dask_ddp``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+import dask_ddp
+
+TORCHRUN_STYLE = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    assert rank == dist.get_rank() and int(os.environ["WORLD_SIZE"]) == dist.get_world_size()
+    assert os.environ["LOCAL_RANK"] == str(rank)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+    assert sys.argv[1:] == ["--flag", "value"], sys.argv
+    if rank == int(os.environ.get("FAIL_RANK", "-1")):
+        sys.exit(3)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train_script.py"
+    path.write_text(TORCHRUN_STYLE)
+    return path
+
+
+def test_launch_script_runs_as_main_on_each_rank(client: Client, script: Path) -> None:
+    job = dask_ddp.launch_script(client, script, ["--flag", "value"])
+    assert job.result(timeout=120) == [0, 0]
+
+
+def test_script_failure_names_the_rank(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "fails.py"
+    path.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n")
+    job = dask_ddp.launch_script(client, path)
+    with pytest.raises(dask_ddp.RankFailedError, match=r"rank 1 .*exited with status 3"):
+        job.result(timeout=120)
+    assert dask_ddp.launch_script(client, script_ok(tmp_path)).result(timeout=120) == [0, 0]
+
+
+def script_ok(tmp_path: Path) -> Path:
+    path = tmp_path / "ok.py"
+    path.write_text("print('ok')\n")
+    return path
+
+
+@pytest.mark.slow
+def test_cli_starts_a_local_cluster(script: Path) -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "dask_ddp", str(script), "--flag", "value"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "every rank finished" in ok.stderr
+
+
+@pytest.mark.slow
+def test_cli_fails_with_the_failing_rank(script: Path) -> None:
+    failed = subprocess.run(
+        [sys.executable, "-m", "dask_ddp", str(script), "--flag", "value"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "FAIL_RANK": "1"},
+    )
+    assert failed.returncode == 1
+    assert "rank 1 failed" in failed.stderr and "exited with status 3" in failed.stderr
+
