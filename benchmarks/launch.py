@@ -103,15 +103,17 @@ def run_torchrun(steps: int, warmup: int) -> tuple[float, float, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "out.json")
         t0 = time.time()
-        subprocess.run(
+        proc = subprocess.run(
             [
                 sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
                 "--standalone", os.path.abspath(__file__), "--child", "--out", out_path,
                 "--steps", str(steps), "--warmup", str(warmup),
             ],
-            check=True, capture_output=True,
+            capture_output=True, text=True,
         )  # fmt: skip
         total = time.time() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         with open(out_path) as f:
             out = json.load(f)
     return max(o["entered"] for o in out) - t0, total, out
@@ -157,9 +159,12 @@ def main() -> None:
     speed: dict[str, list[float]] = {n: [] for n in names}
     threads: dict[str, int] = {}
 
-    with LocalCluster(
-        n_workers=WORLD, threads_per_worker=1, processes=True, dashboard_address=":0"
-    ) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=WORLD, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         first_t0 = time.time()
         first = dask_ddp.launch(client, rank_fn, args=(0, 0)).result()
         cold = max(o["entered"] for o in first) - first_t0
@@ -185,8 +190,13 @@ def main() -> None:
         f"distributed {distributed.__version__}, dask_ddp {dask_ddp.__version__}, "
         f"{os.cpu_count()} cores, {WORLD} ranks (gloo, CPU), {args.runs} runs (medians)"
     )
-    print(f"dask_ddp first job on a fresh cluster (workers import torch): {cold:.2f} s to all ranks in fn")
-    header = f"{'launcher':<18}{'call->all in fn':>16}{'short job e2e':>15}{'steps/s':>10}{'threads':>9}"
+    print(
+        f"dask_ddp first job on a fresh cluster (workers import torch): {cold:.2f} s "
+        "to all ranks in fn"
+    )
+    header = (
+        f"{'launcher':<18}{'call->all in fn':>16}{'short job e2e':>15}{'steps/s':>10}{'threads':>9}"
+    )
     print(header)
     for name in names:
         print(

@@ -189,11 +189,28 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
     }
     if p.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
+    if spec.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = _interface_of(p.host)
+        if ifname is not None:
+            # gloo otherwise advertises the address the machine's hostname resolves to, often
+            # 127.0.x.1, which ranks on other hosts cannot reach. The Dask worker's own
+            # address is reachable by its peers: the scheduler and the other workers use it.
+            env["GLOO_SOCKET_IFNAME"] = ifname
     if not spec.init_process_group:
         # The script calls init_process_group("env://") itself; as under torchrun, every
         # rank (rank 0 too) then connects to the store that already listens on MASTER_PORT.
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return env
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface that carries ``address`` on this machine, if any."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
 
 
 @contextlib.contextmanager

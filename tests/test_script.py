@@ -64,7 +64,9 @@ def script_ok(tmp_path: Path) -> Path:
 def test_cli_starts_a_local_cluster(script: Path) -> None:
     ok = subprocess.run(
         [sys.executable, "-m", "dask_ddp", str(script), "--flag", "value"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "every rank finished" in ok.stderr
@@ -74,8 +76,10 @@ def test_cli_starts_a_local_cluster(script: Path) -> None:
 def test_cli_fails_with_the_failing_rank(script: Path) -> None:
     failed = subprocess.run(
         [sys.executable, "-m", "dask_ddp", str(script), "--flag", "value"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "FAIL_RANK": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FAIL_RANK": "1"},
     )
     assert failed.returncode == 1
     assert "rank 1 failed" in failed.stderr and "exited with status 3" in failed.stderr
-
