@@ -2,17 +2,19 @@
 
 >>> import dask_ddp
 >>> sorted(dask_ddp.__all__)[:3]
-['BackendUnavailableError', 'DaskDDPError', 'Job']
+['BackendUnavailableError', 'ChannelError', 'DaskDDPError']
 """
 
 from . import config as _config  # noqa: F401  (loads the ddp: defaults into dask.config)
 from ._version import __version__
-from .context import RankContext, get_context
+from .context import RankContext, get_context, report
 from .dispatch import launch, launch_script, run
 from .errors import (
     BackendUnavailableError,
+    ChannelError,
     DaskDDPError,
     JobCancelledError,
+    JobNotFoundError,
     NotInRankError,
     NotPicklableError,
     NoWorkersError,
@@ -21,17 +23,23 @@ from .errors import (
     RankAbortedError,
     RankFailedError,
     RendezvousTimeoutError,
+    UnsafeResultPathError,
     WorkerBusyError,
     WorkerLostError,
 )
-from .job import Job, JobState
+from .job import Job, JobState, MetricRecord
+from .results import DaskResultsHandler
 
 __all__ = [
     "BackendUnavailableError",
+    "ChannelError",
     "DaskDDPError",
+    "DaskResultsHandler",
     "Job",
     "JobCancelledError",
+    "JobNotFoundError",
     "JobState",
+    "MetricRecord",
     "NoWorkersError",
     "NotInRankError",
     "NotPicklableError",
@@ -41,11 +49,13 @@ __all__ = [
     "RankContext",
     "RankFailedError",
     "RendezvousTimeoutError",
+    "UnsafeResultPathError",
     "WorkerBusyError",
     "WorkerLostError",
     "__version__",
     "get_context",
     "launch",
     "launch_script",
+    "report",
     "run",
 ]

@@ -57,7 +57,7 @@ class RankSpec:
     pass_local_rank: bool
     placement: RankPlacement
     init_process_group: bool = True
-    event_flush_interval: float = 0.05  # ddp.event-flush-interval, resolved on the client
+    event_flush_interval: float = 0.2  # ddp.event-flush-interval, resolved on the client
     max_event_bytes: int = 65536  # ddp.max-event-bytes, resolved on the client
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import dask.config
 import yaml
-from dask.utils import parse_timedelta
+from dask.utils import parse_bytes, parse_timedelta
 
 _HERE = os.path.dirname(__file__)
 
@@ -36,6 +36,9 @@ class Settings:
     gpu_count: int | None
     threads_per_rank: int | None
     allow_daemon_children: bool
+    max_event_bytes: int = 65536
+    event_flush_interval: float = 0.2
+    event_drain_timeout: float = 10.0
 
 
 def _seconds(value: Any, key: str) -> float:
@@ -45,6 +48,16 @@ def _seconds(value: Any, key: str) -> float:
     if seconds is None or seconds <= 0:
         raise ValueError(f"ddp.{key} must be a positive duration such as '60s'; got {value!r}")
     return float(seconds)
+
+
+def _bytes(value: Any, key: str) -> int:
+    try:
+        number = parse_bytes(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ddp.{key} must be a size such as '64kB'; got {value!r}") from None
+    if number <= 0:
+        raise ValueError(f"ddp.{key} must be a positive size such as '64kB'; got {value!r}")
+    return number
 
 
 def _optional_int(value: Any, key: str) -> int | None:
@@ -74,4 +87,7 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
         gpu_count=_optional_int(get("ddp.gpu-count"), "gpu-count"),
         threads_per_rank=_optional_int(get("ddp.threads-per-rank"), "threads-per-rank"),
         allow_daemon_children=bool(get("ddp.allow-daemon-children")),
+        max_event_bytes=_bytes(get("ddp.max-event-bytes"), "max-event-bytes"),
+        event_flush_interval=_seconds(get("ddp.event-flush-interval"), "event-flush-interval"),
+        event_drain_timeout=_seconds(get("ddp.event-drain-timeout"), "event-drain-timeout"),
     )

@@ -1,21 +1,30 @@
-"""The rank's view of its job: :func:`get_context` inside the training function.
+"""The rank's view of its job: :func:`get_context` and :func:`report` inside the training
+function.
 
 The context is set by :mod:`dask_ddp.bootstrap` for as long as the user's function runs.
 One rank runs per worker process at a time, so the context is per process: threads the
 training function starts, and DataLoader workers forked from the rank, see it too.
+Everything a rank says to the client goes through the rank's channel
+(:class:`dask_ddp.events.RankChannel`), opened and closed by the bootstrap around the
+function.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import numbers
+import operator
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
+from . import events as _events
 from .errors import NotInRankError
 
-__all__ = ["RankContext", "get_context"]
+__all__ = ["RankContext", "get_context", "report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,7 @@ class RankContext:
 
 
 _current: RankContext | None = None
+_channel: _events.RankChannel | None = None
 
 
 def get_context() -> RankContext:
@@ -89,12 +99,111 @@ def get_context() -> RankContext:
     return _current
 
 
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries as an integer
+
+
+def _scalar(name: str, value: Any) -> int | float:
+    """``value`` as a plain int or float, or TypeError naming the metric."""
+    if isinstance(value, torch.Tensor) or getattr(value, "ndim", None) == 0:
+        if getattr(value, "ndim", 0) != 0 and value.numel() != 1:
+            raise TypeError(
+                f"report() takes numbers or 0-d tensors; the rank got a tensor of shape "
+                f"{tuple(value.shape)} for {name!r}. Reduce it first, e.g. {name}.mean().item()."
+            )
+        value = value.item()  # a 0-d tensor or numpy scalar; syncs the GPU, like .item()
+    if isinstance(value, numbers.Integral):
+        number = int(value)
+        return number if _INT_MIN <= number <= _INT_MAX else float(number)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(
+        f"report() takes numbers or 0-d tensors; the rank got {type(value).__name__} for "
+        f"{name!r}. Pass a number, e.g. report({{{name!r}: loss.item()}})."
+    )
+
+
+def report(metrics: Mapping[str, Any], *, step: int | None = None) -> None:
+    """Send metrics from this rank to the client; never waits for the network.
+
+    The record is buffered on the rank and sent with others in the background. Records
+    keep their order per rank, and every record reported before the training function
+    returns is in :attr:`Job.metrics <dask_ddp.Job.metrics>` when ``Job.result()``
+    returns. On the client they also reach the live view, ``Job.iter_metrics()`` and
+    ``launch(..., on_report=...)``.
+
+    Parameters
+    ----------
+    metrics : mapping of str to number
+        Metric names and values: ints, floats, numpy scalars or 0-d tensors (converted
+        with ``.item()`` here on the rank, which waits for the GPU as ``.item()`` does).
+    step : int, optional
+        The training step the metrics belong to.
+
+    Raises
+    ------
+    NotInRankError
+        Called outside a function started by :func:`dask_ddp.launch` or
+        :func:`dask_ddp.dispatch.run`.
+    TypeError
+        A name is not a string, or a value is not a number or a 0-d tensor.
+
+    Examples
+    --------
+    >>> def train(steps):
+    ...     for step in range(steps):
+    ...         loss = torch.tensor(1.0 / (step + 1))
+    ...         dask_ddp.report({"loss": loss, "lr": 0.1}, step=step)
+    >>> job = dask_ddp.launch(client, train, args=(100,))  # doctest: +SKIP
+    >>> job.result(); job.metrics[-1].metrics              # doctest: +SKIP
+    {'loss': 0.01, 'lr': 0.1}
+    """
+    channel = _channel
+    if channel is None:
+        raise NotInRankError("report")
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"report() takes a mapping of metric names to numbers, not "
+            f"{type(metrics).__name__}; call it as report({{'loss': loss}}, step=step)."
+        )
+    values: dict[str, int | float] = {}
+    for name, value in metrics.items():
+        if type(name) is not str:
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"report() takes metric names as str; got {type(name).__name__} {name!r}."
+                )
+            name = str(name)
+        kind = type(value)
+        if kind is float or (kind is int and _INT_MIN <= value <= _INT_MAX):
+            values[name] = value
+        else:
+            values[name] = _scalar(name, value)
+    if step is not None:
+        try:
+            step = operator.index(step)
+        except TypeError:
+            raise TypeError(
+                f"report() takes an integer step or None; got {type(step).__name__} {step!r}."
+            ) from None
+    channel.put(_events.METRICS, [step, time.time(), values], "report")
+
+
+def _rank_channel(caller: str) -> _events.RankChannel:
+    """The running rank's channel, or NotInRankError naming ``caller``."""
+    if _channel is None:
+        raise NotInRankError(caller)
+    return _channel
+
+
 @contextlib.contextmanager
-def _activated(ctx: RankContext) -> Iterator[RankContext]:
-    """Make ``ctx`` the process's current rank for the duration of the block."""
-    global _current
-    previous, _current = _current, ctx
+def _activated(
+    ctx: RankContext, channel: _events.RankChannel | None = None
+) -> Iterator[RankContext]:
+    """Make ``ctx`` (and its channel) the process's current rank for the block."""
+    global _current, _channel
+    previous = _current, _channel
+    _current, _channel = ctx, channel
     try:
         yield ctx
     finally:
-        _current = previous
+        _current, _channel = previous

@@ -21,7 +21,7 @@ from distributed import Client, Future
 from . import bootstrap, config, script
 from .config import TimeoutLike
 from .errors import NotPicklableError, NoWorkersError
-from .job import Job
+from .job import Job, MetricRecord
 from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, select_workers
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ def launch(
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
     pass_local_rank: bool = False,
+    on_report: Callable[[MetricRecord], Any] | None = None,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
@@ -85,11 +86,18 @@ def launch(
         like ``"10 minutes"``. ``None`` reads ``ddp.timeout``.
     pass_local_rank : bool, optional
         Also pass ``local_rank=`` to ``fn`` (as dask-pytorch-ddp did).
+    on_report : callable, optional
+        Called on the client with each :class:`~dask_ddp.job.MetricRecord` the ranks send
+        with :func:`dask_ddp.report`, in each rank's order, as they arrive: forward them to
+        TensorBoard, MLflow or a file. It runs on the job's watcher thread, never on a rank
+        or on the client's event loop; if it raises, the error is logged and it is not
+        called again for this job.
 
     Returns
     -------
     Job
-        Handle with the rank futures, ``result()``, ``cancel()`` and a notebook view.
+        Handle with the rank futures, ``result()``, ``metrics``, ``cancel()`` and a live
+        notebook view.
 
     Raises
     ------
@@ -128,6 +136,7 @@ def launch(
         timeout=timeout,
         pass_local_rank=pass_local_rank,
         init_process_group=True,
+        on_report=on_report,
     )
 
 
@@ -142,6 +151,7 @@ def _launch(
     timeout: TimeoutLike | None,
     pass_local_rank: bool,
     init_process_group: bool,
+    on_report: Callable[[MetricRecord], Any] | None = None,
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
@@ -202,6 +212,17 @@ def _launch(
         port,
     )
 
+    # The job subscribes to its event topic here, before any rank is submitted.
+    job = Job(
+        client,
+        job_id,
+        [p.worker for p in plan],
+        chosen_backend,
+        store_worker=rank0.address,
+        failure_grace=settings.failure_grace,
+        drain_timeout=settings.event_drain_timeout,
+        on_report=on_report,
+    )
     futures = []
     for placement in plan:
         spec = bootstrap.RankSpec(
@@ -218,30 +239,31 @@ def _launch(
             pass_local_rank=pass_local_rank,
             placement=placement,
             init_process_group=init_process_group,
+            event_flush_interval=settings.event_flush_interval,
+            max_event_bytes=settings.max_event_bytes,
         )
-        futures.append(
-            client.submit(
-                bootstrap.run_rank,
-                fn,
-                args,
-                kwargs,
-                spec,
-                key=spec.key,
-                workers=[placement.worker],
-                allow_other_workers=False,
-                pure=False,
-                retries=0,
+        try:
+            futures.append(
+                client.submit(
+                    bootstrap.run_rank,
+                    fn,
+                    args,
+                    kwargs,
+                    spec,
+                    key=spec.key,
+                    workers=[placement.worker],
+                    allow_other_workers=False,
+                    pure=False,
+                    retries=0,
+                )
             )
-        )
-    return Job(
-        client,
-        job_id,
-        futures,
-        [p.worker for p in plan],
-        chosen_backend,
-        store_worker=rank0.address,
-        failure_grace=settings.failure_grace,
-    )
+        except BaseException:
+            client.cancel(futures)
+            job._abandon()
+            client.run(bootstrap.drop_store, job_id, workers=[rank0.address], on_error="ignore")
+            raise
+    job._start(futures)
+    return job
 
 
 def launch_script(

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "ChannelError",
     "DaskDDPError",
     "JobCancelledError",
+    "JobNotFoundError",
     "NoWorkersError",
     "NotInRankError",
     "NotPicklableError",
@@ -21,6 +23,7 @@ __all__ = [
     "RankAbortedError",
     "RankFailedError",
     "RendezvousTimeoutError",
+    "UnsafeResultPathError",
     "WorkerBusyError",
     "WorkerLostError",
 ]
@@ -202,4 +205,46 @@ class NotInRankError(DaskDDPError, RuntimeError):
         return (
             f"{self.function}() works only inside a function started by dask_ddp.launch() or "
             "dask_ddp.dispatch.run(); here no rank is running. Call it from the training function."
+        )
+
+
+class ChannelError(DaskDDPError, RuntimeError):
+    """A rank could not send its messages (``report()``, ``submit_result()``) to the client."""
+
+    def __init__(self, rank: int, job: str, cause: str) -> None:
+        super().__init__(rank, job, cause)
+        self.rank, self.job, self.cause = rank, job, cause
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} of job {self.job} could not send to the client: {self.cause}"
+
+
+class UnsafeResultPathError(DaskDDPError, ValueError):
+    """A result path would land outside the directory results are written to."""
+
+    def __init__(self, path: str, prefix: str | None, reason: str) -> None:
+        super().__init__(path, prefix, reason)
+        self.path, self.prefix, self.reason = path, prefix, reason
+
+    def __str__(self) -> str:
+        where = f"under {self.prefix!r}" if self.prefix is not None else "under the prefix"
+        return (
+            f"refusing result path {self.path!r}: {self.reason}, so it would not land {where}. "
+            "Pass a relative path without '..', such as 'worker/0/step-10.json'."
+        )
+
+
+class JobNotFoundError(DaskDDPError, ValueError):
+    """No dask_ddp job in this process owns the given futures."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__(keys)
+        self.keys = keys
+
+    def __str__(self) -> str:
+        shown = ", ".join(map(str, self.keys[:3])) + (", ..." if len(self.keys) > 3 else "")
+        return (
+            f"no dask_ddp job started from this client owns the futures [{shown}]. Pass the "
+            "list that dask_ddp.dispatch.run() returned, or job.futures, or the Job itself, "
+            "and keep it referenced while results are processed."
         )

@@ -1,4 +1,22 @@
-"""Dask's event stream as seen by dask_ddp on the client.
+"""The one channel from every rank to the client, over Dask's event stream.
+
+Everything a rank says (``report()`` records, ``submit_result()`` payloads, the final
+count) goes through a :class:`RankChannel`: numbered messages, buffered on the rank and
+sent in batches by a background thread as ``Worker.log_event`` events on the job's own
+topic (:func:`job_topic`). On the client, :func:`subscribe` fans ``Client.subscribe_topic``
+out to every listener, and a :class:`RankStream` per rank puts the messages back in order.
+
+Why it is built this way (measured on the real stack, see DESIGN.md):
+
+- ``Worker.log_event`` costs 15-50 µs a call, so records are batched, one event per batch.
+- The scheduler relays events and keeps the last 1000 per topic, so a message larger than
+  ``ddp.max-event-bytes`` never travels through it: the rank keeps it in its worker's
+  memory and sends a reference; the client fetches it directly from that worker (a
+  handler on the worker, like the shuffle extension's), which releases it on delivery.
+- Subscribing is asynchronous and events can be missed, so the client subscribes before
+  the ranks start (the subscription and the rank tasks travel in order on one comm),
+  messages are numbered per rank, each rank ends with a marker holding its count, and
+  gaps are filled from ``Client.get_events``.
 
 ``Client.subscribe_topic`` keeps one handler per topic per client, so two jobs watching
 the same topic (a worker's address, for its removal) would replace each other's handler.
@@ -8,16 +26,42 @@ Handlers run on the client's event loop: they must not block (the job only queue
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 from distributed import Client
+
+from .errors import ChannelError, NotInRankError
+
+logger = logging.getLogger(__name__)
 
 Handler = Callable[[Any], None]
 
+#: Message kinds: a ``report()`` record ``[step, time, {name: value}]``, and a
+#: ``submit_result()`` payload ``[key, path, data]``.
+METRICS = "m"
+RESULT = "r"
 
+_HANDLER = "dask_ddp_blob"  # the worker handler that hands large messages to the client
+_EVENT_OVERHEAD = 256  # bytes an event's envelope may take besides its messages
+
+
+def job_topic(job_id: str) -> str:
+    """The event topic of one job: jobs never share a topic.
+
+    >>> job_topic("3f2a")
+    'dask-ddp-3f2a'
+    """
+    return f"dask-ddp-{job_id}"
+
+
+# -- client: fan-out of Client.subscribe_topic -------------------------------------------
 class _Router:
     def __init__(self, client: Client) -> None:
         self._client = weakref.ref(client)
@@ -60,10 +104,399 @@ _routers_lock = threading.Lock()
 
 
 def subscribe(client: Client, topic: str, handler: Handler) -> Callable[[], None]:
-    """Call ``handler(event)`` for each event on ``topic``; returns the unsubscribe call."""
+    """Call ``handler(event)`` for each event on ``topic``; returns the unsubscribe call.
+
+    The subscription request is queued on the client's comm to the scheduler before
+    anything submitted afterwards, so a task submitted after this call cannot publish on
+    ``topic`` before the scheduler knows the subscriber.
+    """
     with _routers_lock:
         router = _routers.get(client)
         if router is None:
             router = _routers[client] = _Router(client)
     token = router.add(topic, handler)
     return lambda: router.remove(topic, token)
+
+
+# -- rank: the buffered, numbered channel ------------------------------------------------
+# Large messages waiting on this worker for their client, keyed "<job>/<rank>/<seq>". Keys
+# start with the job id, so two jobs never see each other's entries.
+_blobs: dict[str, list[list[Any]]] = {}
+_blobs_lock = threading.Lock()
+
+
+def _result_size(body: list[Any]) -> int:
+    """Upper estimate of a result message's packed size, without packing it."""
+    data = body[2]
+    size = len(data) if isinstance(data, bytes) or data.isascii() else 4 * len(data)
+    return 32 + 4 * (len(body[0]) + len(body[1])) + size
+
+
+def encode(job_id: str, rank: int, seq: int, msgs: list[list[Any]]) -> dict[str, Any]:
+    """The event carrying ``msgs`` (messages ``seq``, ``seq + 1``, ...) of one rank.
+
+    The messages travel packed (msgpack, back to back) in one ``bytes`` value: the worker
+    and the scheduler then handle one opaque value per batch instead of walking every
+    record, which is what caps ``log_event`` near 40,000 records/s.
+
+    >>> decode(encode("3f2a", 0, 5, [["m", [1, 0.0, {"loss": 0.5}]]]))
+    [['m', [1, 0.0, {'loss': 0.5}]]]
+    """
+    packed = b"".join(map(_packer().pack, msgs))
+    return {"job": job_id, "rank": rank, "seq": seq, "n": len(msgs), "packed": packed}
+
+
+def decode(event: dict[str, Any]) -> list[list[Any]]:
+    """The messages of an event made by :func:`encode`."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=0)
+    unpacker.feed(event["packed"])
+    return list(unpacker)
+
+
+def _packer() -> msgpack.Packer:
+    return msgpack.Packer(use_bin_type=True, autoreset=True)
+
+
+_channels: weakref.WeakSet[RankChannel] = weakref.WeakSet()  # this process's open channels
+
+
+class _ForkedProcess(RuntimeError):
+    def __str__(self) -> str:
+        return (
+            "this process was forked from the rank (a DataLoader worker?), and only the "
+            "rank's own process can send; call report() and submit_result() from the "
+            "training loop"
+        )
+
+
+def _after_fork_in_child() -> None:
+    # The flusher thread does not exist in a forked child: fail loudly instead of
+    # buffering records nobody sends.
+    for channel in list(_channels):
+        channel._error = _ForkedProcess()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class RankChannel:
+    """A rank's side of the channel: ordered, numbered, buffered, never blocking.
+
+    :meth:`put` appends to a buffer; a background thread sends what gathered as events of
+    at most ``max_event_bytes``, at most once per ``interval`` seconds (at once after a
+    quiet spell, or when the buffer fills an event). A single message larger than that
+    stays in this worker's memory and only a reference travels (see the module docstring).
+    :meth:`close` sends what is left and a final marker with the number of messages, from
+    the calling thread, so it reaches the scheduler before the rank's task finishes.
+
+    Parameters
+    ----------
+    worker : distributed.Worker
+        The worker running the rank (``distributed.get_worker()``).
+    job_id : str
+        The job; events go to :func:`job_topic` of it.
+    rank : int
+        The rank sending.
+    interval : float
+        Shortest time between two flushes, in seconds: how long a message may wait in
+        the buffer for others to batch with.
+    max_event_bytes : int
+        Largest event sent through the scheduler.
+
+    Examples
+    --------
+    >>> worker = get_worker()  # doctest: +SKIP
+    >>> ch = RankChannel(worker, "3f2a", 0, interval=0.05, max_event_bytes=64000)  # doctest: +SKIP
+    >>> ch.put(METRICS, [1, time.time(), {"loss": 0.5}])  # doctest: +SKIP
+    >>> ch.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, worker: Any, job_id: str, rank: int, *, interval: float, max_event_bytes: int
+    ) -> None:
+        self._worker = worker
+        self._job = job_id
+        self._rank = rank
+        self._topic = job_topic(job_id)
+        self._interval = interval
+        self._budget = max(1, max_event_bytes - _EVENT_OVERHEAD)
+        self._lock = threading.Lock()
+        self._buffer: list[tuple[str, list[Any]]] = []
+        self._wake = threading.Event()  # set while the buffer holds something
+        self._urgent = threading.Event()  # set when the buffer fills an event, or on close
+        self._full = max(64, self._budget // 32)  # records that fill an event, roughly
+        self._closing = threading.Event()
+        self._closed = False
+        self._seq = 0  # number of messages sent so far; only the sending thread touches it
+        self._packer = _packer()  # likewise
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"dask-ddp-events-{job_id}-rank-{rank}", daemon=True
+        )
+        self._thread.start()
+        _channels.add(self)
+
+    def put(self, kind: str, body: list[Any], caller: str = "report") -> None:
+        """Queue one message; returns at once. Any thread may call it.
+
+        Raises
+        ------
+        NotInRankError
+            The rank's function has returned (``caller`` names the function called).
+        ChannelError
+            An earlier batch could not be sent.
+        """
+        if self._error is not None:
+            raise ChannelError(self._rank, self._job, str(self._error)) from self._error
+        with self._lock:
+            if self._closed:
+                raise NotInRankError(caller)
+            self._buffer.append((kind, body))
+            n = len(self._buffer)
+            if n == 1:
+                self._wake.set()
+            elif n == self._full:
+                self._urgent.set()
+
+    def close(self) -> ChannelError | None:
+        """Send everything still buffered and the final marker; never raises.
+
+        Returns
+        -------
+        ChannelError or None
+            Why some messages could not be sent, if they could not.
+        """
+        with self._lock:
+            self._closed = True
+        self._closing.set()
+        self._urgent.set()
+        self._wake.set()
+        self._thread.join()
+        try:
+            if self._error is None:
+                self._flush()
+            self._emit({"end": self._seq})
+        except Exception as exc:  # reported to the rank's caller, which raises it
+            self._error = self._error or exc
+        if self._error is None:
+            return None
+        error = ChannelError(self._rank, self._job, f"{type(self._error).__name__}: {self._error}")
+        error.__cause__ = self._error
+        return error
+
+    def _run(self) -> None:
+        # At most one flush per interval, so a rank reporting every step sends a few
+        # events a second (each costs the worker, the scheduler and the client about a
+        # millisecond of CPU); the first message after a quiet spell goes at once, and a
+        # buffer that fills an event goes at once (bursts are not rate-limited).
+        last = -float("inf")
+        while True:
+            self._wake.wait()
+            remaining = last + self._interval - time.monotonic()
+            if remaining > 0:
+                self._urgent.wait(remaining)
+            if self._closing.is_set():
+                return  # close() sends the rest from the rank's own thread
+            self._urgent.clear()
+            last = time.monotonic()
+            try:
+                self._flush()
+            except Exception as exc:  # put() and close() raise it in the rank's thread
+                self._error = exc
+                return
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._buffer = self._buffer, []
+            self._wake.clear()
+        pack = self._packer.pack
+        parts: list[bytes] = []
+        size = 0
+        for kind, body in items:
+            if kind == RESULT and _result_size(body) > self._budget:
+                packed = None  # large: never packed here, sent by reference
+                n = _result_size(body)
+            else:
+                packed = pack([kind, body])
+                n = len(packed)
+            if parts and size + n > self._budget:
+                self._send(parts)
+                parts, size = [], 0
+            if packed is None or n > self._budget:
+                self._send_by_reference([kind, body], n)
+            else:
+                parts.append(packed)
+                size += n
+        if parts:
+            self._send(parts)
+
+    def _emit(self, fields: dict[str, Any]) -> None:
+        self._worker.log_event(
+            self._topic, {"job": self._job, "rank": self._rank, "seq": self._seq, **fields}
+        )
+
+    def _send(self, parts: list[bytes]) -> None:
+        self._emit({"n": len(parts), "packed": b"".join(parts)})
+        self._seq += len(parts)
+
+    def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
+        key = f"{self._job}/{self._rank}/{self._seq}"
+        self._worker.handlers.setdefault(_HANDLER, _serve_blob)
+        with _blobs_lock:
+            _blobs[key] = [msg]
+        ref = {"worker": self._worker.address, "key": key, "nbytes": nbytes}
+        try:
+            self._emit({"blob": ref})
+        except BaseException:
+            with _blobs_lock:
+                _blobs.pop(key, None)
+            raise
+        self._seq += 1
+
+
+async def _serve_blob(key: str | None = None, drop_job: str | None = None) -> dict[str, Any]:
+    """Worker handler: hand one large message to the client (and forget it), or drop a
+    job's leftovers. ``bytes`` travel as their own frames, without a copy into msgpack."""
+    from distributed.protocol import to_serialize
+
+    with _blobs_lock:
+        if drop_job is not None:
+            keys = [k for k in _blobs if k.startswith(f"{drop_job}/")]
+            for k in keys:
+                del _blobs[k]
+            return {"status": "OK", "dropped": len(keys)}
+        msgs = _blobs.pop(key, None) if key is not None else None
+    if msgs is None:
+        return {"status": "missing"}
+    framed = [
+        [kind, [to_serialize(v) if type(v) is bytes else v for v in body]] for kind, body in msgs
+    ]
+    return {"status": "OK", "msgs": framed}
+
+
+def blobs_held(job_id: str | None = None) -> int:
+    """How many large messages wait in this process for their client (for tests)."""
+    with _blobs_lock:
+        return sum(1 for k in _blobs if job_id is None or k.startswith(f"{job_id}/"))
+
+
+# -- client: reassembly and direct fetches -----------------------------------------------
+def _count(event: dict[str, Any]) -> int:
+    if "n" in event:
+        return int(event["n"])
+    return 1 if "blob" in event else 0
+
+
+class RankStream:
+    """One rank's events back in the order it sent them.
+
+    >>> s = RankStream()
+    >>> [e["seq"] for e in s.add({"seq": 2, "n": 1})]
+    []
+    >>> [e["seq"] for e in s.add({"seq": 0, "n": 2})]
+    [0, 2]
+    >>> s.add({"seq": 3, "end": 3}), s.complete
+    ([], True)
+    """
+
+    def __init__(self) -> None:
+        self.next = 0  # sequence number of the next message to deliver
+        self.end: int | None = None  # number of messages the rank sent, once it said so
+        self.lost = 0
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    def add(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one event; return the events that are now deliverable, in order."""
+        if "end" in event:
+            self.end = int(event["end"])
+        seq, count = int(event["seq"]), _count(event)
+        if count and seq >= self.next and seq not in self._pending:
+            self._pending[seq] = event
+        ready = []
+        while self.next in self._pending:
+            ready.append(self._pending.pop(self.next))
+            self.next += _count(ready[-1])
+        return ready
+
+    @property
+    def complete(self) -> bool:
+        """True once the final marker arrived and every message before it."""
+        return self.end is not None and self.next >= self.end
+
+    @property
+    def has_gap(self) -> bool:
+        """True when a message is missing before one that arrived, or before the end."""
+        return bool(self._pending) or (self.end is not None and self.next < self.end)
+
+    @property
+    def blocked(self) -> bool:
+        """True when messages that arrived wait behind a missing one."""
+        return bool(self._pending)
+
+    def skip_gap(self) -> tuple[int, list[dict[str, Any]]]:
+        """Give up on the first missing messages: return how many, and what follows."""
+        target = min(self._pending) if self._pending else (self.end or self.next)
+        missing = max(0, target - self.next)
+        self.lost += missing
+        self.next = target
+        ready = []
+        while self.next in self._pending:
+            ready.append(self._pending.pop(self.next))
+            self.next += _count(ready[-1])
+        return missing, ready
+
+
+async def _call_blob_handler(client: Client, worker: str, **kwargs: Any) -> Any:
+    return await client.rpc(worker).dask_ddp_blob(**kwargs)
+
+
+def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
+    """Fetch a message sent by reference, directly from the rank's worker.
+
+    The worker forgets it as it hands it over. Never touches the scheduler.
+
+    Raises
+    ------
+    ChannelError
+        The worker no longer holds it (it restarted, or the job's leftovers were dropped).
+    OSError
+        The worker cannot be reached.
+    """
+    reply = client.sync(_call_blob_handler, client, ref["worker"], key=ref["key"])
+    if reply.get("status") != "OK":
+        job, rank, _ = ref["key"].split("/")
+        raise ChannelError(int(rank), job, f"{ref['worker']} no longer holds {ref['key']}")
+    return [[kind, list(body)] for kind, body in reply["msgs"]]  # the comm made tuples
+
+
+def drop_blobs(client: Client, worker: str, job_id: str) -> int:
+    """Release every large message of ``job_id`` still held on ``worker``."""
+    reply = client.sync(_call_blob_handler, client, worker, drop_job=job_id)
+    return int(reply.get("dropped", 0))
+
+
+def _forget_topic(topic: str, client_id: str, dask_scheduler: Any = None) -> bool:
+    broker = getattr(dask_scheduler, "_broker", None)
+    topics = getattr(broker, "_topics", None)
+    if topics is None or topic not in topics:
+        return False
+    # Our unsubscribe message travels on another comm and may not have arrived yet.
+    topics[topic].subscribers.discard(client_id)
+    if topics[topic].subscribers:
+        return False
+    del topics[topic]
+    return True
+
+
+def forget_topic(client: Client, topic: str) -> None:
+    """Let the scheduler drop a finished job's topic and the events it keeps for it.
+
+    The broker keeps the last 1000 events of every topic for the cluster's lifetime; a
+    finished job no longer needs them. Best effort: a scheduler without that broker layout,
+    or a topic someone else still follows, is left alone.
+    """
+    try:
+        client.run_on_scheduler(_forget_topic, topic, client.id)
+    except Exception:  # the client is closing, or the scheduler is gone: nothing to free
+        logger.debug("could not drop event topic %s on the scheduler", topic, exc_info=True)

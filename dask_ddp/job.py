@@ -1,37 +1,59 @@
-"""The client's handle on a running job: its futures, its state, its outcome.
+"""The client's handle on a running job: its futures, its state, its outcome, its reports.
 
-A :class:`Job` watches its rank futures from a background thread. The first rank to fail
-decides the job's error; the other ranks are stopped at once (an exception raised in their
-thread, then, for ranks stuck inside a C++ collective, a restart of their worker after
-``ddp.failure-grace``), so no rank waits out the collective timeout.
+A :class:`Job` watches its rank futures and its event topic from a background thread. The
+first rank to fail decides the job's error; the other ranks are stopped at once (an
+exception raised in their thread, then, for ranks stuck inside a C++ collective, a
+restart of their worker after ``ddp.failure-grace``), so no rank waits out the collective
+timeout.
+
+Everything the ranks send (:func:`dask_ddp.report` records, results) arrives through the
+job's channel (:mod:`dask_ddp.events`). The subscription is in place before any rank
+starts; the watcher thread puts each rank's messages back in order, fetches large ones
+directly from the rank's worker, and keeps the records in :attr:`Job.metrics`. Before
+:meth:`Job.result` returns, every rank's final marker has arrived, so every record a rank
+reported before its function returned is there. Event handlers only queue: all work runs
+on the watcher thread, never on the client's event loop.
+
+The live view (``job`` as the last line of a notebook cell, or :meth:`Job.watch` in a
+terminal) runs on the client only.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import html
 import logging
+import math
 import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
-from distributed import Client, Future
+from distributed import Client, Future, KilledWorker
 
 from . import bootstrap, events
 from .errors import (
     JobCancelledError,
+    JobNotFoundError,
     PeerFailedError,
     RankAbortedError,
     RankFailedError,
     WorkerLostError,
 )
 
+if TYPE_CHECKING:
+    import pandas
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "JobState"]
+__all__ = ["Job", "JobState", "MetricRecord"]
+
+_VIEW_PERIOD = 0.25  # seconds between live-view refreshes while records stream in
+_CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinned)
 
 
 class JobState(str, enum.Enum):
@@ -41,6 +63,85 @@ class JobState(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class MetricRecord(NamedTuple):
+    """One :func:`dask_ddp.report` call, as the client received it.
+
+    Attributes
+    ----------
+    rank : int
+        The rank that reported it.
+    step : int or None
+        The ``step=`` it was reported with.
+    time : float
+        When the rank called ``report()``, in seconds since the epoch (``time.time()`` on
+        the rank's host).
+    metrics : dict of str to int or float
+        The reported values.
+
+    Examples
+    --------
+    >>> MetricRecord(rank=0, step=3, time=1.7e9, metrics={"loss": 0.25}).metrics["loss"]
+    0.25
+    """
+
+    rank: int
+    step: int | None
+    time: float
+    metrics: dict[str, float]
+
+
+# Rank task key -> its job. Weak: a job lives as long as the user holds it or one of its
+# rank futures (each future refers to its job, see Job._start), so that
+# DaskResultsHandler.process_results(prefix, futures) finds the job behind run()'s list.
+_jobs_by_key: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
+_JOB_ATTR = "_dask_ddp_job"
+
+
+def _job_for(futures: Job | Sequence[Future]) -> Job:
+    """The job behind ``futures`` (a Job, or its rank futures)."""
+    if isinstance(futures, Job):
+        return futures
+    keys = [str(getattr(f, "key", f)) for f in futures]
+    jobs = {id(j): j for j in (_jobs_by_key.get(k) for k in keys) if j is not None}
+    if not keys or len(jobs) != 1 or any(k not in _jobs_by_key for k in keys):
+        raise JobNotFoundError(keys)
+    return next(iter(jobs.values()))
+
+
+class _RankProgress:
+    """What the live view shows for one rank; written by the watcher thread only."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.step: int | None = None
+        self.last: dict[str, float] = {}
+        self.first_time: float | None = None
+        self.last_time: float | None = None
+        self.curve: list[tuple[float, float]] = []
+        self._stride = 1
+
+    def add(self, rec: MetricRecord, metric: str | None) -> None:
+        self.count += 1
+        self.step = rec.step if rec.step is not None else self.step
+        self.last = rec.metrics
+        self.first_time = rec.time if self.first_time is None else self.first_time
+        self.last_time = rec.time
+        if metric is None or metric not in rec.metrics or self.count % self._stride:
+            return
+        y = float(rec.metrics[metric])
+        if math.isfinite(y):
+            self.curve.append((float(rec.step if rec.step is not None else self.count), y))
+            if len(self.curve) >= 2 * _CURVE_POINTS:
+                del self.curve[1::2]
+                self._stride *= 2
+
+    @property
+    def rate(self) -> float | None:
+        if self.first_time is None or self.last_time is None or self.last_time <= self.first_time:
+            return None
+        return (self.count - 1) / (self.last_time - self.first_time)
 
 
 class Job:
@@ -56,49 +157,90 @@ class Job:
         The worker address of each rank, in rank order.
     backend : str
         The torch.distributed backend in use.
+    topic : str
+        The Dask event topic the job's ranks report on (``dask-ddp-<job_id>``).
 
     Examples
     --------
     >>> job = dask_ddp.launch(client, train, args=(cfg,))  # doctest: +SKIP
+    >>> job                                                 # doctest: +SKIP
+    (live view in Jupyter: per-rank progress, loss curve, errors)
     >>> job.result()                                        # doctest: +SKIP
     [0.31, 0.31]
+    >>> job.metrics_frame().groupby("rank").loss.last()     # doctest: +SKIP
     """
 
     def __init__(
         self,
         client: Client,
         job_id: str,
-        futures: Sequence[Future],
         workers: Sequence[str],
         backend: str,
+        *,
         store_worker: str,
         failure_grace: float,
+        drain_timeout: float = 10.0,
+        on_report: Callable[[MetricRecord], Any] | None = None,
     ) -> None:
         self.client = client
         self.job_id = job_id
-        self.futures = list(futures)
         self.workers = list(workers)
+        self.futures: list[Future] = []
         self.backend = backend
+        self.topic = events.job_topic(job_id)
         self._store_worker = store_worker
         self._grace = failure_grace
+        self._drain_timeout = drain_timeout
+        self._on_report = on_report
         self._state = JobState.RUNNING
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self._inbox: queue.Queue[tuple[str, int]] = queue.Queue()
-        self._unsubscribe: list[Callable[[], None]] = []
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._started = time.monotonic()
         self._finished: float | None = None
         self._cancel_reason = "cancelled by the user"
+        self._ended: set[int] = set()  # ranks whose task ended (not lost)
+        self._silent: set[int] = set()  # ended ranks whose process died: no final marker
+        # Channel state: written by the watcher thread; readers take _cond.
+        self._cond = threading.Condition()
+        self._streams = [events.RankStream() for _ in self.workers]
+        self._metrics: list[MetricRecord] = []
+        self._results: dict[str, collections.deque[tuple[int, str, Any]]] = {}
+        self._streams_closed = False
+        self._progress = [_RankProgress() for _ in self.workers]
+        self._curve_metric: str | None = None
+        self._rank_errors: dict[int, str] = {}
+        self._notes: list[str] = []
+        self._views: list[Any] = []
+        self._view_due: float | None = None
+        self._last_view = 0.0
+        # Subscribe before any rank is submitted: the subscription reaches the scheduler
+        # first, so no event of this job is published before it has a subscriber.
+        self._unsubscribe: list[Callable[[], None]] = [
+            events.subscribe(client, self.topic, self._on_job_event)
+        ]
         for rank, worker in enumerate(self.workers):
             self._unsubscribe.append(
                 events.subscribe(client, worker, lambda ev, r=rank: self._on_worker_event(r, ev))
             )
-        for rank, fut in enumerate(self.futures):
-            fut.add_done_callback(lambda _f, r=rank: self._inbox.put(("done", r)))
         self._watcher = threading.Thread(
             target=self._watch, name=f"dask-ddp-job-{job_id}", daemon=True
         )
+
+    def _start(self, futures: Sequence[Future]) -> None:
+        """Take the submitted rank futures and start watching them."""
+        self.futures.extend(futures)
+        for rank, fut in enumerate(self.futures):
+            _jobs_by_key[str(fut.key)] = self
+            setattr(fut, _JOB_ATTR, self)  # keeps the job (its results) alive with its futures
+            fut.add_done_callback(lambda _f, r=rank: self._inbox.put(("done", r)))
         self._watcher.start()
+
+    def _abandon(self) -> None:
+        """Undo the subscriptions of a job whose ranks could not be submitted."""
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe.clear()
 
     # -- public API -------------------------------------------------------------------
     @property
@@ -109,7 +251,7 @@ class Job:
     @property
     def world_size(self) -> int:
         """Number of ranks."""
-        return len(self.futures)
+        return len(self.workers)
 
     def done(self) -> bool:
         """True once every rank has finished, or the job failed or was cancelled."""
@@ -121,6 +263,8 @@ class Job:
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """Every rank's return value, in rank order.
+
+        When it returns, :attr:`metrics` holds every record the ranks reported.
 
         Parameters
         ----------
@@ -160,12 +304,154 @@ class Job:
         self._inbox.put(("cancel", -1))
         self._done.wait()
 
+    @property
+    def metrics(self) -> list[MetricRecord]:
+        """Every :func:`dask_ddp.report` record received so far, in arrival order.
+
+        Each rank's records are in the order the rank reported them. Returns a copy.
+
+        Examples
+        --------
+        >>> job.result()                          # doctest: +SKIP
+        >>> [r.metrics["loss"] for r in job.metrics if r.rank == 0][-3:]  # doctest: +SKIP
+        [0.34, 0.33, 0.31]
+        """
+        with self._cond:
+            return list(self._metrics)
+
+    def metrics_frame(self) -> pandas.DataFrame:
+        """:attr:`metrics` as a pandas DataFrame: columns rank, step, time, then one per
+        metric name (missing values are NaN). ``time`` is seconds since the epoch.
+
+        Raises
+        ------
+        ImportError
+            pandas is not installed.
+
+        Examples
+        --------
+        >>> df = job.metrics_frame()              # doctest: +SKIP
+        >>> df.pivot_table(index="step", columns="rank", values="loss")  # doctest: +SKIP
+        """
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise ImportError(
+                "Job.metrics_frame() needs pandas; install it (pip install pandas) or use "
+                "job.metrics, a list of records."
+            ) from exc
+        records = self.metrics
+        names: dict[str, None] = {}
+        for rec in records:
+            names.update(dict.fromkeys(rec.metrics))
+        columns = ["rank", "step", "time", *(n for n in names if n not in {"rank", "step", "time"})]
+        rows = [{**r.metrics, "rank": r.rank, "step": r.step, "time": r.time} for r in records]
+        frame = pd.DataFrame.from_records(rows, columns=columns)
+        return frame.astype({"rank": "int64", "step": "Int64", "time": "float64"})
+
+    def iter_metrics(self, timeout: float | None = None) -> Iterator[MetricRecord]:
+        """Yield every record as it arrives, from the first one; stop when the job is done
+        and its last record has been yielded.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Longest wait for the next record, in seconds; ``None`` waits as long as the job
+            runs.
+
+        Raises
+        ------
+        TimeoutError
+            No record arrived within ``timeout`` while the job was still running.
+
+        Examples
+        --------
+        >>> for rec in job.iter_metrics():        # doctest: +SKIP
+        ...     writer.add_scalar(f"loss/rank{rec.rank}", rec.metrics["loss"], rec.step)
+        """
+        seen = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(
+                    lambda n=seen: len(self._metrics) > n or self._streams_closed, timeout
+                ):
+                    raise TimeoutError(f"job {self.job_id}: no record arrived within {timeout} s")
+                new = self._metrics[seen:]
+                closed = self._streams_closed
+            seen += len(new)
+            yield from new
+            if closed and not new:
+                return
+
+    def watch(self, *, file: IO[str] | None = None) -> None:
+        """Show a progress line (tqdm) until the job is done, then return.
+
+        In a terminal it is one line with the record count, rate and each rank's step and
+        latest metrics; in Jupyter ``tqdm.auto`` draws a notebook bar (displaying the job
+        itself gives the full live view). Call :meth:`result` afterwards for the outcome.
+
+        Parameters
+        ----------
+        file : file-like, optional
+            Where to draw the line (default: standard error).
+
+        Examples
+        --------
+        >>> job = dask_ddp.launch(client, train)  # doctest: +SKIP
+        >>> job.watch()                           # doctest: +SKIP
+        job 3f2a9c: 1200 records [00:12, 98.1 records/s, r0 step 599 loss 0.31 | r1 ...]
+        """
+        from tqdm.auto import tqdm
+
+        shown = 0
+        with tqdm(desc=f"job {self.job_id}", unit=" records", file=file) as bar:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda n=shown: len(self._metrics) > n or self._streams_closed
+                    )
+                    count, closed = len(self._metrics), self._streams_closed
+                    line = self._progress_line()
+                bar.set_postfix_str(line, refresh=False)
+                bar.update(count - shown)
+                shown = count
+                if closed:
+                    break
+            self._done.wait()  # set right after the channel closes
+            bar.set_postfix_str(f"{self.state.value}; {line}")
+
     # -- watching ---------------------------------------------------------------------
+    def _on_job_event(self, event: Any) -> None:
+        # Runs on the client's event loop: only queue.
+        self._inbox.put(("event", event[1]))
+
     def _on_worker_event(self, rank: int, event: Any) -> None:
         # Runs on the client's event loop: only queue.
         _, msg = event
         if isinstance(msg, dict) and msg.get("action") == "remove-worker":
             self._inbox.put(("lost", rank))
+
+    def _get(self, timeout: float | None = None) -> tuple[str, int]:
+        """The next control message (done, lost, cancel); channel events queued before it
+        are handled on the way. Raises ``queue.Empty`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            wait = None if deadline is None else max(0.0, deadline - now)
+            if self._view_due is not None:
+                wait = max(0.0, min(self._view_due - now, wait if wait is not None else 1e9))
+            try:
+                kind, payload = self._inbox.get(timeout=wait)
+            except queue.Empty:
+                if self._view_due is not None and time.monotonic() >= self._view_due:
+                    self._refresh_views()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                continue
+            if kind == "event":
+                self._handle(payload)
+                continue
+            return kind, payload
 
     def _watch(self) -> None:
         try:
@@ -177,17 +463,25 @@ class Job:
                 self._state = JobState.FAILED
         finally:
             self._finished = time.monotonic()
-            for unsubscribe in self._unsubscribe:
-                try:
-                    unsubscribe()
-                except Exception:
-                    logger.debug("job %s: unsubscribe failed", self.job_id, exc_info=True)
-            self._done.set()
+            try:
+                if self._state is not JobState.SUCCEEDED:
+                    # The outcome is known: result() raises now, while the records that the
+                    # stopped ranks sent on their way out are still collected. A rank's last
+                    # events reach the client before its task's outcome does, so they are
+                    # normally queued already; a rank stopped before its function started
+                    # sent none, hence the short bound.
+                    self._done.set()
+                    bound = min(self._drain_timeout, 1.0)
+                    self._drain(self._ended - self._silent, bound, warn=False)
+            finally:
+                self._end_streams()
+                self._done.set()
+        events.forget_topic(self.client, self.topic)
 
     def _watch_until_done(self) -> None:
-        finished: set[int] = set()
+        finished = self._ended
         while len(finished) < self.world_size:
-            kind, rank = self._inbox.get()
+            kind, rank = self._get()
             if kind == "cancel":
                 self._stop(self._cancel_reason, set(range(self.world_size)) - finished, finished)
                 self._error = JobCancelledError(self.job_id)
@@ -211,12 +505,18 @@ class Job:
                 self._error = JobCancelledError(self.job_id)
                 self._state = JobState.CANCELLED
                 return
+        # Every rank sent its final marker before its task finished: wait for the markers
+        # (normally already here), so that metrics are complete when result() returns.
+        self._drain(range(self.world_size), self._drain_timeout, warn=True)
         self._state = JobState.SUCCEEDED
         logger.info("job %s: %d ranks finished", self.job_id, self.world_size)
 
     def _rank_error(self, rank: int) -> BaseException:
         fut = self.futures[rank]
         exc = fut.exception()
+        if isinstance(exc, KilledWorker):
+            self._silent.add(rank)
+        self._show_rank_error(rank, f"{type(exc).__name__}: {exc}")
         if isinstance(exc, (PeerFailedError, RankAbortedError)):
             return exc
         text = "".join(traceback.format_exception(type(exc), exc, fut.traceback()))
@@ -234,11 +534,12 @@ class Job:
             and len(finished) < self.world_size
         ):
             try:
-                kind, rank = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                kind, rank = self._get(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if kind == "lost" and rank not in finished:
                 error = WorkerLostError(rank, self.workers[rank], self.futures[rank].key)
+                self._show_rank_error(rank, str(error))
             elif kind == "done" and rank not in finished:
                 finished.add(rank)
                 if self.futures[rank].status == "error":
@@ -247,6 +548,7 @@ class Job:
                         error = candidate
         self._error = error
         self._state = JobState.FAILED
+        self._refresh_views()
         logger.warning("job %s failed: %s", self.job_id, error)
         self._stop(
             f"another rank failed ({type(error).__name__})",
@@ -268,7 +570,7 @@ class Job:
         deadline = time.monotonic() + self._grace
         while running - finished:
             try:
-                kind, rank = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                kind, rank = self._get(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if kind == "done":
@@ -294,21 +596,399 @@ class Job:
         except Exception:
             logger.debug("job %s: store cleanup failed", self.job_id, exc_info=True)
 
+    # -- the channel ------------------------------------------------------------------
+    def _handle(self, msg: Any, *, fill: bool = True) -> None:
+        """Take one event of the job's topic (watcher thread)."""
+        if not isinstance(msg, dict) or msg.get("job") != self.job_id:
+            return
+        rank = msg.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            return
+        stream = self._streams[rank]
+        for event in stream.add(msg):
+            self._deliver(rank, event)
+        if fill and stream.has_gap and not stream.complete:
+            self._fill_gaps()
+
+    def _fill_gaps(self) -> None:
+        """Recover missed events from the scheduler's history of the topic; give up on
+        what it no longer holds (it keeps the last 1000 events)."""
+        try:
+            history = self.client.get_events(self.topic)
+        except Exception:
+            logger.debug("job %s: could not read the event history", self.job_id, exc_info=True)
+            history = ()
+        for _, msg in history:
+            self._handle(msg, fill=False)
+        for rank, stream in enumerate(self._streams):
+            while stream.blocked:
+                missing, ready = stream.skip_gap()
+                logger.warning(
+                    "job %s: %d messages from rank %d were lost on the way (the scheduler "
+                    "no longer holds them)",
+                    self.job_id,
+                    missing,
+                    rank,
+                )
+                self._note(f"rank {rank}: {missing} messages lost on the way")
+                for event in ready:
+                    self._deliver(rank, event)
+
+    def _deliver(self, rank: int, event: dict[str, Any]) -> None:
+        if "blob" in event:
+            ref = event["blob"]
+            try:
+                msgs = events.fetch_blob(self.client, ref)
+            except Exception as exc:  # the worker or the client is gone: shown, not raised
+                logger.exception(
+                    "job %s: a %d-byte message from rank %d could not be fetched from %s",
+                    self.job_id,
+                    ref["nbytes"],
+                    rank,
+                    ref["worker"],
+                )
+                self._note(f"rank {rank}: a {ref['nbytes']}-byte message was lost ({exc})")
+                return
+        else:
+            msgs = events.decode(event)
+        records = []
+        with self._cond:
+            for kind, body in msgs:
+                if kind == events.METRICS:
+                    step, when, values = body
+                    rec = MetricRecord(rank, step, when, values)
+                    if self._curve_metric is None and values:
+                        self._curve_metric = _pick_curve_metric(values)
+                    self._progress[rank].add(rec, self._curve_metric)
+                    records.append(rec)
+                elif kind == events.RESULT:
+                    key, path, data = body
+                    self._results.setdefault(key, collections.deque()).append((rank, path, data))
+            self._metrics.extend(records)
+            self._cond.notify_all()
+        if self._on_report is not None:
+            self._call_on_report(records)
+        self._mark_views()
+
+    def _call_on_report(self, records: list[MetricRecord]) -> None:
+        callback = self._on_report
+        for rec in records:
+            try:
+                callback(rec)
+            except Exception as exc:
+                logger.exception(
+                    "job %s: on_report raised on a record of rank %d; it is not called again "
+                    "for this job (the records stay in job.metrics)",
+                    self.job_id,
+                    rec.rank,
+                )
+                self._on_report = None
+                self._note(f"on_report raised {type(exc).__name__}: {exc}; no longer called")
+                return
+
+    def _drain(self, ranks: Iterable[int], timeout: float, *, warn: bool) -> None:
+        """Wait until ``ranks`` have sent their final marker and everything before it."""
+        ranks = sorted(ranks)
+        deadline = time.monotonic() + timeout
+        filled = False
+        while not all(self._streams[r].complete for r in ranks):
+            try:
+                self._get(max(0.0, deadline - time.monotonic()))  # control messages: ignored
+            except queue.Empty:
+                if filled:
+                    break
+                self._fill_gaps()
+                filled = True
+        for r in ranks:
+            stream = self._streams[r]
+            if stream.complete or not warn:
+                continue
+            if stream.end is None:
+                what = "its final marker never arrived, so its last records may be missing"
+            else:
+                what = f"{stream.end - stream.next} of its {stream.end} messages never arrived"
+            logger.warning(
+                "job %s: rank %d: %s after waiting %.0f s (ddp.event-drain-timeout)",
+                self.job_id,
+                r,
+                what,
+                timeout,
+            )
+            self._note(f"rank {r}: {what}")
+
+    def _end_streams(self) -> None:
+        for unsubscribe in self._unsubscribe:
+            try:
+                unsubscribe()
+            except Exception:
+                logger.debug("job %s: unsubscribe failed", self.job_id, exc_info=True)
+        with self._cond:
+            self._streams_closed = True
+            self._cond.notify_all()
+        for rank, stream in enumerate(self._streams):
+            if stream.complete:
+                continue  # every large message of this rank was fetched
+            try:
+                events.drop_blobs(self.client, self.workers[rank], self.job_id)
+            except Exception:
+                logger.debug("job %s: could not release rank %d's leftovers", self.job_id, rank)
+        self._refresh_views()
+
+    def _take_results(self, key: str) -> Iterator[tuple[int, str, Any]]:
+        """Pop results sent with ``key`` as they arrive, until the job's channel closes."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._results.get(key) or self._streams_closed)
+                pending = self._results.get(key)
+                if not pending:
+                    return
+                item = pending.popleft()
+            yield item
+
     # -- display ----------------------------------------------------------------------
+    def _note(self, text: str) -> None:
+        with self._cond:
+            self._notes.append(text)
+        self._mark_views()
+
+    def _show_rank_error(self, rank: int, text: str) -> None:
+        with self._cond:
+            self._rank_errors.setdefault(rank, text)
+        self._refresh_views()
+
+    def _mark_views(self) -> None:
+        if self._views and self._view_due is None:
+            self._view_due = max(time.monotonic(), self._last_view + _VIEW_PERIOD)
+
+    def _refresh_views(self) -> None:
+        self._view_due = None
+        self._last_view = time.monotonic()
+        if not self._views:
+            return
+        snap = self._snapshot()
+        for view in list(self._views):
+            try:
+                view.update(snap)
+            except Exception:  # a closed notebook must not stop the watcher
+                logger.debug("job %s: live view update failed", self.job_id, exc_info=True)
+
+    def _snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            ranks = []
+            for r, (worker, prog) in enumerate(zip(self.workers, self._progress, strict=True)):
+                fut = self.futures[r] if r < len(self.futures) else None
+                ranks.append(
+                    {
+                        "rank": r,
+                        "worker": worker,
+                        "status": fut.status if fut is not None else "pending",
+                        "count": prog.count,
+                        "step": prog.step,
+                        "last": dict(prog.last),
+                        "rate": prog.rate,
+                        "error": self._rank_errors.get(r),
+                        "curve": list(prog.curve),
+                    }
+                )
+            end = self._finished if self._finished is not None else time.monotonic()
+            return {
+                "job": self.job_id,
+                "state": self._state.value,
+                "backend": self.backend,
+                "elapsed": end - self._started,
+                "records": len(self._metrics),
+                "ranks": ranks,
+                "metric": self._curve_metric,
+                "error": str(self._error) if self._error is not None else None,
+                "notes": list(self._notes),
+            }
+
+    def _progress_line(self) -> str:
+        parts = []
+        for r, prog in enumerate(self._progress):
+            step = f" step {prog.step}" if prog.step is not None else f" {prog.count} rec"
+            shown = ", ".join(f"{k} {_fmt(v)}" for k, v in list(prog.last.items())[:2])
+            parts.append(f"r{r}{step}" + (f" {shown}" if shown else ""))
+        return " | ".join(parts)
+
     def __repr__(self) -> str:
         return (
             f"<dask_ddp.Job {self.job_id}: {self.state.value}, {self.world_size} ranks, "
-            f"{self.backend}>"
+            f"{self.backend}, {len(self._metrics)} records>"
         )
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{r}</td><td>{html.escape(w)}</td><td>{html.escape(f.status)}</td></tr>"
-            for r, (w, f) in enumerate(zip(self.workers, self.futures, strict=True))
+        return _render_html(self._snapshot())
+
+    def _ipython_display_(self) -> None:
+        """The live view: ipywidgets progress bars per rank, a loss curve and errors,
+        refreshed by the watcher thread while the job runs (a self-updating HTML display
+        when ipywidgets is not installed)."""
+        from IPython.display import display
+
+        view: _WidgetView | _HandleView
+        try:
+            view = _WidgetView(self.world_size)
+        except ImportError:
+            view = _HandleView()
+        snap = self._snapshot()
+        view.show(display, snap)
+        self._views.append(view)
+        if self._streams_closed:
+            view.update(self._snapshot())
+
+
+# -- rendering (client only) ---------------------------------------------------------
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+
+
+def _pick_curve_metric(values: dict[str, float]) -> str:
+    if "loss" in values:
+        return "loss"
+    return next((k for k in values if "loss" in k.lower()), next(iter(values)))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
+    """A small line chart of ``metric`` per rank, as inline SVG (no plotting library)."""
+    points = [p for r in ranks for p in r["curve"]]
+    if metric is None or len(points) < 2:
+        return ""
+    width, height, pad = 440, 150, 34
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+
+    def sx(x: float) -> float:
+        return pad + (x - x0) / (x1 - x0) * (width - pad - 8)
+
+    def sy(y: float) -> float:
+        return height - 18 - (y - y0) / (y1 - y0) * (height - 28)
+
+    lines = []
+    for r in ranks:
+        if len(r["curve"]) < 2:
+            continue
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in r["curve"])
+        color = _COLORS[r["rank"] % len(_COLORS)]
+        lines.append(
+            f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}">'
+            f"<title>rank {r['rank']}</title></polyline>"
         )
-        error = f"<pre>{html.escape(str(self._error))}</pre>" if self._error else ""
-        return (
-            f"<div><b>dask_ddp job {html.escape(self.job_id)}</b>: {self.state.value}, "
-            f"backend {html.escape(self.backend)}<table><tr><th>rank</th><th>worker</th>"
-            f"<th>status</th></tr>{rows}</table>{error}</div>"
+    label = html.escape(metric)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'style="font:10px sans-serif">'
+        f'<rect x="{pad}" y="10" width="{width - pad - 8}" height="{height - 28}" fill="none" '
+        f'stroke="#ccc"/>{"".join(lines)}'
+        f'<text x="2" y="14">{_fmt(y1)}</text><text x="2" y="{height - 18}">{_fmt(y0)}</text>'
+        f'<text x="{pad}" y="{height - 4}">step {_fmt(x0)}</text>'
+        f'<text x="{width - 8}" y="{height - 4}" text-anchor="end">{_fmt(x1)}</text>'
+        f'<text x="{width // 2}" y="{height - 4}" text-anchor="middle">{label}</text></svg>'
+    )
+
+
+def _rank_text(r: dict[str, Any]) -> str:
+    step = f"step {r['step']}" if r["step"] is not None else f"{r['count']} records"
+    rate = f", {r['rate']:.1f}/s" if r["rate"] else ""
+    last = ", ".join(f"{html.escape(k)} {_fmt(v)}" for k, v in list(r["last"].items())[:4])
+    return f"{step}{rate}" + (f" · {last}" if last else "")
+
+
+def _title(snap: dict[str, Any]) -> str:
+    return (
+        f"<b>dask_ddp job {html.escape(snap['job'])}</b>: {html.escape(snap['state'])}, "
+        f"{len(snap['ranks'])} ranks, backend {html.escape(snap['backend'])}, "
+        f"{snap['records']} records, {snap['elapsed']:.1f} s"
+    )
+
+
+def _errors_html(snap: dict[str, Any]) -> str:
+    parts = [
+        f"<div style='color:#b00'>rank {r['rank']}: {html.escape(r['error'])}</div>"
+        for r in snap["ranks"]
+        if r["error"]
+    ]
+    if snap["error"]:
+        parts.append(
+            f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(snap['error'])}</pre>"
         )
+    parts += [f"<div style='color:#a60'>{html.escape(n)}</div>" for n in snap["notes"]]
+    return "".join(parts)
+
+
+def _render_html(snap: dict[str, Any]) -> str:
+    """The whole view as static HTML: title, a row per rank, the curve, the errors."""
+    top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
+    rows = "".join(
+        f"<tr><td>{r['rank']}</td><td>{html.escape(r['worker'])}</td>"
+        f"<td>{html.escape(r['status'])}</td>"
+        f"<td><progress value='{r['step'] or r['count']}' max='{top}'></progress></td>"
+        f"<td>{_rank_text(r)}</td></tr>"
+        for r in snap["ranks"]
+    )
+    return (
+        f"<div>{_title(snap)}<table><tr><th>rank</th><th>worker</th><th>status</th>"
+        f"<th>progress</th><th>latest</th></tr>{rows}</table>"
+        f"{_svg_curve(snap['ranks'], snap['metric'])}{_errors_html(snap)}</div>"
+    )
+
+
+class _WidgetView:
+    """ipywidgets: one progress bar per rank, the curve and the errors."""
+
+    def __init__(self, world_size: int) -> None:
+        import ipywidgets as widgets
+
+        self._title = widgets.HTML()
+        self._bars = [
+            widgets.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
+            for r in range(world_size)
+        ]
+        self._labels = [widgets.HTML() for _ in range(world_size)]
+        self._plot = widgets.HTML()
+        self._errors = widgets.HTML()
+        rows = [widgets.HBox([b, t]) for b, t in zip(self._bars, self._labels, strict=True)]
+        self.widget = widgets.VBox([self._title, *rows, self._plot, self._errors])
+
+    def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
+        self.update(snap)
+        display(self.widget)
+
+    def update(self, snap: dict[str, Any]) -> None:
+        self._title.value = _title(snap)
+        top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
+        for bar, label, r in zip(self._bars, self._labels, snap["ranks"], strict=True):
+            bar.max = top
+            bar.value = min(top, r["step"] or r["count"])
+            bar.bar_style = (
+                "danger" if r["error"] else "success" if snap["state"] == "succeeded" else "info"
+            )
+            label.value = _rank_text(r)
+        plot = _svg_curve(snap["ranks"], snap["metric"])
+        if plot != self._plot.value:
+            self._plot.value = plot
+        self._errors.value = _errors_html(snap)
+
+
+class _HandleView:
+    """Without ipywidgets: the HTML view, replaced in place through a display handle."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+
+    def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
+        from IPython.display import HTML
+
+        self._handle = display(HTML(_render_html(snap)), display_id=True)
+
+    def update(self, snap: dict[str, Any]) -> None:
+        from IPython.display import HTML
+
+        if self._handle is not None:
+            self._handle.update(HTML(_render_html(snap)))

@@ -1,0 +1,388 @@
+"""report() -> Job.metrics on a real LocalCluster: completeness, order, isolation, live view."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import dask
+import pytest
+import torch
+from distributed import Client, Event, LocalCluster
+
+import dask_ddp
+from dask_ddp import events
+from dask_ddp.job import Job, _render_html, _WidgetView
+
+
+def _burst(n: int) -> int:
+    ctx = dask_ddp.get_context()
+    for i in range(n):
+        dask_ddp.report({"loss": 1.0 / (i + 1), "src": ctx.rank}, step=i)
+    return n
+
+
+def test_a_burst_arrives_complete_and_in_order(client: Client) -> None:
+    n = 20_000
+    job = dask_ddp.launch(client, _burst, args=(n,))
+    assert job.result(timeout=120) == [n, n]
+    records = job.metrics
+    assert len(records) == 2 * n
+    for rank in (0, 1):
+        mine = [r for r in records if r.rank == rank]
+        assert [r.step for r in mine] == list(range(n))
+        assert all(r.metrics["src"] == rank for r in mine)
+        assert [r.time for r in mine] == sorted(r.time for r in mine)
+    assert records[-1].metrics.keys() == {"loss", "src"}
+
+
+def _report_and_return(tag: int) -> int:
+    for i in range(50):
+        dask_ddp.report({"i": i}, step=i)
+    dask_ddp.report({"tag": tag, "last": 1}, step=50)  # the function's last statement
+    return tag
+
+
+def test_records_reported_just_before_return_are_there_when_result_returns(
+    client: Client,
+) -> None:
+    # An hour-long flush interval: only the flush at the end of the rank can deliver them.
+    for tag in range(4):
+        with dask.config.set({"ddp.event-flush-interval": "1 hour"}):
+            job = dask_ddp.launch(client, _report_and_return, args=(tag,))
+        assert job.result(timeout=120) == [tag, tag]
+        last = [r for r in job.metrics if r.step == 50]
+        assert sorted(r.rank for r in last) == [0, 1]
+        assert all(r.metrics == {"tag": tag, "last": 1} for r in last)
+        assert len(job.metrics) == 2 * 51
+
+
+def _report_kinds() -> dict[str, str]:
+    import numpy as np
+
+    dask_ddp.report(
+        {
+            "tensor": torch.tensor(0.5),
+            "f32": np.float32(0.25),
+            "i64": np.int64(3),
+            "flag": True,
+            "huge": 2**70,
+            "int": 4,
+        },
+        step=np.int64(7),
+    )
+    bad = {
+        "list": ({"x": [1.0]}, {}),
+        "vector": ({"x": torch.ones(3)}, {}),
+        "text": ({"x": "1.0"}, {}),
+        "key": ({1: 1.0}, {}),
+        "mapping": ([("x", 1.0)], {}),
+        "step": ({"x": 1.0}, {"step": 1.5}),
+    }
+    errors = {}
+    for label, (metrics, kwargs) in bad.items():
+        try:
+            dask_ddp.report(metrics, **kwargs)
+        except TypeError as exc:
+            errors[label] = str(exc)
+    return errors
+
+
+def test_report_takes_numbers_and_0d_tensors_only(client: Client) -> None:
+    job = dask_ddp.launch(client, _report_kinds, workers=1)
+    (errors,) = job.result(timeout=120)
+    (rec,) = job.metrics
+    assert rec.step == 7 and type(rec.step) is int
+    assert rec.metrics == {
+        "tensor": 0.5,
+        "f32": 0.25,
+        "i64": 3,
+        "flag": 1,
+        "huge": float(2**70),
+        "int": 4,
+    }
+    assert type(rec.metrics["tensor"]) is float and type(rec.metrics["i64"]) is int
+    assert set(errors) == {"list", "vector", "text", "key", "mapping", "step"}
+    assert "got list for 'x'" in errors["list"]
+    assert "shape (3,)" in errors["vector"] and ".item()" in errors["vector"]
+    assert "got str for 'x'" in errors["text"]
+    assert "names as str" in errors["key"]
+    assert "mapping" in errors["mapping"]
+    assert "integer step" in errors["step"]
+
+
+def test_report_outside_a_rank() -> None:
+    with pytest.raises(dask_ddp.NotInRankError, match=r"report\(\) works only inside"):
+        dask_ddp.report({"loss": 1.0})
+
+
+def test_on_report_iteration_and_dataframe(client: Client) -> None:
+    seen: list[dask_ddp.MetricRecord] = []
+    job = dask_ddp.launch(client, _burst, args=(500,), on_report=seen.append)
+    streamed = list(job.iter_metrics(timeout=120))
+    assert job.result(timeout=120) == [500, 500]
+    assert streamed == job.metrics == seen
+    assert len(seen) == 1000
+
+    frame = job.metrics_frame()
+    assert list(frame.columns) == ["rank", "step", "time", "loss", "src"]
+    assert len(frame) == 1000
+    assert frame.groupby("rank")["step"].max().to_dict() == {0: 499, 1: 499}
+    assert (frame["rank"] == frame["src"]).all()
+
+
+def test_a_failing_on_report_is_logged_and_dropped(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def broken(rec: dask_ddp.MetricRecord) -> None:
+        calls.append(rec)
+        raise RuntimeError("tensorboard is down")
+
+    with caplog.at_level(logging.ERROR, logger="dask_ddp.job"):
+        job = dask_ddp.launch(client, _burst, args=(100,), on_report=broken)
+        assert job.result(timeout=120) == [100, 100]
+    assert len(calls) == 1
+    assert len(job.metrics) == 200
+    assert "on_report raised" in caplog.text and "tensorboard is down" in caplog.text
+    assert "no longer called" in job._repr_html_()
+
+
+def _report_then_wait(name: str) -> int:
+    dask_ddp.report({"loss": 0.5}, step=0)
+    assert Event(name).wait(timeout=60), "the test never saw the record"
+    return dask_ddp.get_context().rank
+
+
+def test_records_stream_while_the_job_runs(client: Client) -> None:
+    name = f"seen-{uuid.uuid4().hex}"
+    job = dask_ddp.launch(client, _report_then_wait, args=(name,))
+    records = job.iter_metrics(timeout=60)
+    first = [next(records), next(records)]
+    assert not job.done()  # the ranks are still waiting for us
+    assert sorted(r.rank for r in first) == [0, 1]
+    Event(name, client=client).set()
+    assert job.result(timeout=60) == [0, 1]
+    assert list(records) == []
+
+
+def _tagged(tag: int, n: int) -> int:
+    for i in range(n):
+        dask_ddp.report({"tag": tag}, step=i)
+    return tag
+
+
+def _events_kept(topic: str, dask_scheduler=None) -> int:
+    return len(dask_scheduler.get_events(topic))
+
+
+_stray_stopped = threading.Event()
+
+
+def _leave_a_reporting_thread(tag: int) -> str:
+    def keep_reporting() -> None:
+        try:
+            while True:
+                dask_ddp.report({"tag": tag})
+                time.sleep(0.001)
+        except dask_ddp.NotInRankError:
+            _stray_stopped.set()
+
+    _stray_stopped.clear()
+    threading.Thread(target=keep_reporting, daemon=True).start()
+    time.sleep(0.05)
+    return "returned"
+
+
+def _stray_thread_stopped() -> bool:
+    return _stray_stopped.wait(timeout=10)
+
+
+def test_two_jobs_never_see_each_others_records(client: Client) -> None:
+    w0, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a = dask_ddp.launch(client, _tagged, args=(1, 3000), workers=[w0])
+    b = dask_ddp.launch(client, _tagged, args=(2, 3000), workers=[w1])
+    assert a.result(timeout=120) == [1] and b.result(timeout=120) == [2]
+    assert a.topic != b.topic
+    assert [r.metrics["tag"] for r in a.metrics] == [1] * 3000
+    assert [r.metrics["tag"] for r in b.metrics] == [2] * 3000
+    # Once a job is over, the scheduler no longer keeps its events.
+    a._watcher.join(timeout=30)
+    assert client.run_on_scheduler(_events_kept, a.topic) == 0
+
+    # A job's thread that outlives the job cannot report into the next one.
+    old = dask_ddp.launch(client, _leave_a_reporting_thread, args=(3,))
+    assert old.result(timeout=120) == ["returned", "returned"]
+    assert all(client.run(_stray_thread_stopped).values())
+    assert {r.metrics["tag"] for r in old.metrics} == {3}
+    new = dask_ddp.launch(client, _tagged, args=(4, 10))
+    assert new.result(timeout=120) == [4, 4]
+    assert [r.metrics["tag"] for r in new.metrics] == [4] * 20
+
+
+def test_missing_events_are_filled_from_the_scheduler(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = next(iter(client.scheduler_info(n_workers=-1)["workers"]))
+    job = Job(client, uuid.uuid4().hex[:12], [worker], "gloo", store_worker=worker, failure_grace=1)
+    try:
+
+        def event(seq: int, steps: range) -> dict:
+            msgs = [[events.METRICS, [s, time.time(), {"s": s}]] for s in steps]
+            return events.encode(job.job_id, 0, seq, msgs)
+
+        # Events 0 and 1 reached the scheduler, but this subscriber missed them.
+        client.log_event(job.topic, event(0, range(0, 2)))
+        client.log_event(job.topic, event(2, range(2, 5)))
+        job._handle(event(5, range(5, 6)))
+        assert [r.step for r in job.metrics] == [0, 1, 2, 3, 4, 5]
+        job._handle(event(2, range(2, 5)))  # a duplicate changes nothing
+        assert len(job.metrics) == 6
+
+        # What the scheduler no longer holds is reported lost, and the rest goes on.
+        with caplog.at_level(logging.WARNING, logger="dask_ddp.job"):
+            job._handle(event(9, range(9, 10)))
+        assert [r.step for r in job.metrics][-1] == 9
+        assert "3 messages from rank 0 were lost" in caplog.text
+        job._handle({"job": job.job_id, "rank": 0, "seq": 10, "end": 10})
+        assert job._streams[0].complete
+        job._handle(events.encode("another-job", 0, 10, [["m", [10, 0.0, {}]]]))
+        assert len(job.metrics) == 7
+    finally:
+        job._abandon()
+
+
+def _slow_reports(n: int) -> int:
+    for i in range(n):
+        dask_ddp.report({"loss": 1.0 / (i + 1), "acc": i / n}, step=i)
+        time.sleep(0.002)
+    torch.distributed.barrier()  # both ranks report everything, then rank 1 fails
+    if dask_ddp.get_context().rank == 1:
+        raise ValueError("rank 1 gave up")
+    return n
+
+
+def test_live_view_shows_progress_curve_and_errors(client: Client) -> None:
+    pytest.importorskip("ipywidgets")
+    job = dask_ddp.launch(client, _slow_reports, args=(200,))
+    view = _WidgetView(job.world_size)
+    job._views.append(view)  # as _ipython_display_ does, without a notebook
+    with pytest.raises(dask_ddp.RankFailedError):
+        job.result(timeout=120)
+    assert len(list(job.iter_metrics(timeout=60))) == 400  # ends once the channel closed
+    job._refresh_views()
+    snap = job._snapshot()
+    assert snap["metric"] == "loss"
+    assert [r["step"] for r in snap["ranks"]] == [199, 199]
+    assert view._bars[0].value == 199 and view._bars[0].max == 199
+    assert view._bars[1].bar_style == "danger"
+    assert "<polyline" in view._plot.value and "loss" in view._plot.value
+    assert "rank 1 gave up" in view._errors.value
+    assert "step 199" in view._labels[0].value
+    page = _render_html(snap)
+    assert "<svg" in page and "rank 1 gave up" in page and "<progress" in page
+    assert "r0 step 199" in job._progress_line()
+
+
+def test_watch_draws_a_progress_line(client: Client) -> None:
+    import io
+
+    out = io.StringIO()
+    job = dask_ddp.launch(client, _burst, args=(300,))
+    job.watch(file=out)
+    assert job.done() and job.result(timeout=60) == [300, 300]
+    line = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    assert f"job {job.job_id}" in line
+    assert "600 records" in line and "succeeded" in line and "r1 step 299" in line
+
+
+@pytest.mark.slow
+def test_live_view_in_a_notebook(cluster: LocalCluster) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipywidgets")
+    cell = nbformat.v4.new_code_cell
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            cell(
+                "import time\nimport dask_ddp\nfrom distributed import Client\n"
+                f"client = Client({cluster.scheduler_address!r})"
+            ),
+            cell(
+                "def train(n):\n"
+                "    for i in range(n):\n"
+                "        dask_ddp.report({'loss': 1 / (i + 1)}, step=i)\n"
+                "        time.sleep(0.003)\n"
+                "    return n\n"
+                "job = dask_ddp.launch(client, train, args=(1000,))\n"
+                "job"
+            ),
+            cell(
+                "view = job._views[0]\n"
+                "updates = []\n"
+                "view._plot.observe(lambda ch: updates.append(job.done()), 'value')\n"
+                "print(job.result(timeout=120))\n"
+                "print('updates while running:', updates.count(False))\n"
+                "print('bars:', [b.value for b in view._bars])\n"
+                "print('curve:', '<polyline' in view._plot.value)"
+            ),
+        ]
+    )
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    display = nb.cells[1].outputs
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in display)
+    text = "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    assert "[1000, 1000]" in text
+    assert "bars: [999, 999]" in text and "curve: True" in text
+    running_updates = int(text.split("updates while running:")[1].split()[0])
+    assert running_updates >= 1, text
+
+
+class _ReportingDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        dask_ddp.report({"i": i})
+        return i
+
+
+def _report_from_a_dataloader_worker() -> str:
+    import multiprocessing
+
+    loader = torch.utils.data.DataLoader(
+        _ReportingDataset(),
+        num_workers=1,
+        multiprocessing_context=multiprocessing.get_context("fork"),
+    )
+    try:
+        list(loader)
+    except Exception as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_report_in_a_forked_dataloader_worker_fails_loudly(client: Client) -> None:
+    (message,) = dask_ddp.launch(client, _report_from_a_dataloader_worker, workers=1).result(
+        timeout=120
+    )
+    assert "forked from the rank" in message
+
+
+def test_channel_settings_are_resolved_on_the_client() -> None:
+    from dask_ddp import config
+
+    settings = config.resolve()
+    assert settings.max_event_bytes == 64_000
+    assert settings.event_flush_interval == 0.2 and settings.event_drain_timeout == 10.0
+    with dask.config.set({"ddp.max-event-bytes": "1MiB", "ddp.event-flush-interval": "1s"}):
+        settings = config.resolve()
+    assert settings.max_event_bytes == 2**20 and settings.event_flush_interval == 1.0
+    with (
+        dask.config.set({"ddp.max-event-bytes": "0B"}),
+        pytest.raises(ValueError, match="max-event-bytes"),
+    ):
+        config.resolve()
