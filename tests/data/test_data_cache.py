@@ -1,0 +1,107 @@
+"""The host-local cache: filled once, reused by other processes, atomic, and locked."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.synchronize
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from torchvision import transforms
+
+from dask_ddp.data import FileDataset, LocalCache, S3ImageFolder
+
+
+def cached_files(cache_dir: Path) -> list[Path]:
+    return sorted(p for p in cache_dir.rglob("*") if p.is_file() and p.suffix != ".lock")
+
+
+def test_cache_filled_once_and_reused(s3_endpoint, s3_client, s3_images, tmp_path):
+    bucket, prefix, _ = s3_images
+    cache_dir = tmp_path / "cache"
+    kwargs = {
+        "endpoint_url": s3_endpoint,
+        "cache_dir": cache_dir,
+        "transform": transforms.ToTensor(),
+    }
+    first = S3ImageFolder(bucket, prefix, **kwargs)
+    n = len(first)
+    epoch1 = first.__getitems__(list(range(n)))
+    assert first.get_stats() | {"fetched_bytes": 0} == {
+        "requested": n, "cache_hits": 0, "fetched": n, "fetched_bytes": 0, "corrupt": 0,
+        "skipped": 0,
+    }  # fmt: skip
+    assert len(cached_files(cache_dir)) == n
+    assert not [p for p in cache_dir.rglob("*.part")]
+
+    # Another rank on this host (a new dataset object) reads the cache, not the store.
+    second = S3ImageFolder(bucket, prefix, **kwargs)
+    for key in first.all_files:
+        s3_client.delete_object(Bucket=bucket, Key=key)
+    epoch2 = second.__getitems__(list(range(n)))
+    assert second.get_stats()["cache_hits"] == n
+    assert second.get_stats()["fetched"] == 0
+    for (a, ta), (b, tb) in zip(epoch1, epoch2, strict=True):
+        assert ta == tb
+        assert torch.equal(a, b)
+
+    # A fresh dataset without the cache shows the objects really are gone.
+    with pytest.raises(FileNotFoundError):
+        S3ImageFolder(bucket, prefix, endpoint_url=s3_endpoint)
+
+
+def test_truncated_cache_file_is_fetched_again(s3_endpoint, s3_images, tmp_path):
+    bucket, prefix, _ = s3_images
+    ds = S3ImageFolder(bucket, prefix, endpoint_url=s3_endpoint, cache_dir=tmp_path)
+    good = ds[4]
+    ds._cache.path(ds._cache_key(4)).write_bytes(b"\xff\xd8 half a JPEG")
+    again = ds[4]
+    assert again[0].tobytes() == good[0].tobytes()
+    assert ds.get_stats()["fetched"] == 2
+
+
+_start: multiprocessing.synchronize.Barrier | None = None
+
+
+def _wait_for_all(barrier: multiprocessing.synchronize.Barrier) -> None:
+    global _start
+    _start = barrier
+
+
+def _read_all(ds: FileDataset) -> dict[str, int]:
+    _start.wait(timeout=60)  # every process starts at once, so they contend for each batch
+    for start in range(0, len(ds), 5):
+        ds.__getitems__(list(range(start, min(start + 5, len(ds)))))
+    return ds.get_stats()
+
+
+def test_processes_on_a_host_fetch_each_object_once(s3_images, tmp_path, flaky_proxy, image_count):
+    bucket, prefix, _ = s3_images
+    proxy = flaky_proxy(delay=0.05)  # slow fetches keep the other processes waiting
+    cache_dir = tmp_path / "cache"
+    ds = FileDataset(f"s3://{bucket}/{prefix}", endpoint_url=proxy.url, cache_dir=cache_dir)
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(4)
+    with ProcessPoolExecutor(4, ctx, _wait_for_all, (barrier,)) as pool:
+        stats = list(pool.map(_read_all, [ds] * 4))
+    assert sum(s["fetched"] for s in stats) == len(ds)  # the locks made the others wait
+    assert sum(s["cache_hits"] for s in stats) == 3 * len(ds)
+    assert len(cached_files(cache_dir)) == len(ds) == image_count + 3  # the .txt/.md/.csv files too
+
+
+def test_local_cache_is_atomic(tmp_path):
+    cache = LocalCache(tmp_path)
+
+    def failing_fetch(positions: list[int]) -> list[bytes | BaseException]:
+        return [b"ok" if p == 0 else OSError("connection reset") for p in positions]
+
+    out, hits = cache.get_many(["a", "b"], [2, 2], failing_fetch)
+    assert hits == 0
+    assert out[0] == b"ok"
+    assert isinstance(out[1], OSError)
+    assert cache.read("a") == b"ok"
+    assert cache.read("b") is None  # errors are not cached
+    assert cache.read("a", size=3) is None  # a size mismatch counts as missing
+    assert not list(tmp_path.rglob("*.part"))
