@@ -7,11 +7,13 @@
 
 from . import config as _config  # noqa: F401  (loads the ddp: defaults into dask.config)
 from ._version import __version__
-from .context import RankContext, get_context, report
+from .checkpoint import CheckpointInfo, UnsafeCheckpointError
+from .context import RankContext, get_checkpoint, get_context, report, save_checkpoint
 from .dispatch import launch, launch_script, run
 from .errors import (
     BackendUnavailableError,
     ChannelError,
+    CheckpointDirMissingError,
     DaskDDPError,
     JobCancelledError,
     JobNotFoundError,
@@ -23,6 +25,7 @@ from .errors import (
     RankAbortedError,
     RankFailedError,
     RendezvousTimeoutError,
+    RetryableError,
     UnsafeResultPathError,
     WorkerBusyError,
     WorkerLostError,
@@ -33,6 +36,8 @@ from .results import DaskResultsHandler
 __all__ = [
     "BackendUnavailableError",
     "ChannelError",
+    "CheckpointDirMissingError",
+    "CheckpointInfo",
     "DaskDDPError",
     "DaskResultsHandler",
     "Job",
@@ -49,13 +54,17 @@ __all__ = [
     "RankContext",
     "RankFailedError",
     "RendezvousTimeoutError",
+    "RetryableError",
+    "UnsafeCheckpointError",
     "UnsafeResultPathError",
     "WorkerBusyError",
     "WorkerLostError",
     "__version__",
+    "get_checkpoint",
     "get_context",
     "launch",
     "launch_script",
     "report",
     "run",
+    "save_checkpoint",
 ]

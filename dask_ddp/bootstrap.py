@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import events
-from .context import RankContext, _activated
+from .context import RankContext, _activated, _Checkpointing
 from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
 from .placement import RankPlacement
 
@@ -57,6 +57,9 @@ class RankSpec:
     pass_local_rank: bool
     placement: RankPlacement
     init_process_group: bool = True
+    checkpoint_dir: str | None = None
+    keep_last: int | None = None
+    storage_options: dict[str, Any] | None = None
     event_flush_interval: float = 0.2  # ddp.event-flush-interval, resolved on the client
     max_event_bytes: int = 65536  # ddp.max-event-bytes, resolved on the client
 
@@ -370,16 +373,35 @@ def _dask_ports() -> set[int]:
     return ports
 
 
-def _first_failure(store: Any, rank: int) -> int | None:
-    """Record this rank's failure; return the rank that failed first if it was another."""
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error")
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    """Did a collective fail because a peer's connection went away?"""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, dist.DistError)) and any(m in text for m in _PEER_LOSS)
+
+
+def _first_failure(store: Any, rank: int, *, peer_lost: bool = False) -> int | None:
+    """Record this rank's failure; return the rank that failed first if it was another.
+
+    A rank whose collective failed because a peer's connection closed, when no rank has
+    recorded a failure, did not fail first: a peer's process died (killed, out of memory).
+    It returns -1 (unknown) then, and the client names the lost worker.
+    """
     try:
-        if store.add(_FAILURES, 1) == 1:
+        if peer_lost:
+            store.wait([_FIRST_FAILURE], timedelta(seconds=1))
+        elif store.add(_FAILURES, 1) == 1:
             store.set(_FIRST_FAILURE, str(rank))
             return None
         store.wait([_FIRST_FAILURE], timedelta(seconds=2))
         first = int(store.get(_FIRST_FAILURE))
     except (RuntimeError, TimeoutError, ValueError):
-        return None  # rank 0's store is gone: nobody recorded a failure before us
+        # Nobody recorded a failure (or rank 0's store is gone with its process).
+        return -1 if peer_lost else None
     return None if first == rank else first
 
 
@@ -431,14 +453,17 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
         logger.debug("job %s: rank %d joined on %s", spec.job_id, p.rank, p.worker)
         channel = _open_channel(spec)
         try:
-            with _activated(ctx, channel):
+            checkpointing = _Checkpointing(
+                spec.checkpoint_dir, spec.keep_last, spec.storage_options
+            )
+            with _activated(ctx, channel, checkpointing):
                 value = fn(*args, **kwargs)
         except BaseException as exc:
             with _lock:
                 slot.running = False
             if slot.abort_reason is not None:
                 raise RankAbortedError(p.rank, spec.job_id, slot.abort_reason) from exc
-            first = _first_failure(store, p.rank)
+            first = _first_failure(store, p.rank, peer_lost=_is_peer_loss(exc))
             with _lock:
                 _sever(slot)
             if first is not None:

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from . import checkpoint as _checkpoint
 from . import events as _events
-from .errors import NotInRankError
+from .errors import CheckpointDirMissingError, NotInRankError
 
-__all__ = ["RankContext", "get_context", "report"]
+__all__ = ["RankContext", "get_checkpoint", "get_context", "report", "save_checkpoint"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,15 +196,107 @@ def _rank_channel(caller: str) -> _events.RankChannel:
     return _channel
 
 
+@dataclasses.dataclass(frozen=True)
+class _Checkpointing:
+    """Where the job's checkpoints go, resolved on the client."""
+
+    directory: str | None
+    keep_last: int | None = None
+    storage_options: dict[str, Any] | None = None
+
+
+_checkpointing = _Checkpointing(None)
+
+
+def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | None:
+    """Save ``state`` as the job's checkpoint for ``step``, atomically.
+
+    Rank 0 writes (DDP keeps every rank's model identical); on other ranks this returns
+    None without writing, so the same code runs everywhere. The file lands under the
+    job's ``checkpoint_dir`` (any fsspec URL) as ``checkpoint-<step>.pt``; a reader never
+    sees it half-written, and only the last ``keep_last`` are kept. The client sees it in
+    :attr:`Job.checkpoints <dask_ddp.Job.checkpoints>` as soon as it lands.
+
+    Save plain state (``model.state_dict()``, ``optimizer.state_dict()``, numbers,
+    strings, lists and dicts of tensors): :func:`get_checkpoint` loads with
+    ``weights_only=True``.
+
+    Raises
+    ------
+    NotInRankError
+        Called outside a rank.
+    CheckpointDirMissingError
+        The job was launched without ``checkpoint_dir``.
+
+    Examples
+    --------
+    >>> def train(steps):
+    ...     model, opt, start = make_model(), make_opt(), 0
+    ...     state = dask_ddp.get_checkpoint()
+    ...     if state is not None:
+    ...         model.load_state_dict(state["model"]); start = state["step"] + 1
+    ...     for step in range(start, steps):
+    ...         ...
+    ...         if step % 100 == 0:
+    ...             dask_ddp.save_checkpoint({"model": model.state_dict(), "step": step}, step=step)
+    >>> dask_ddp.launch(client, train, args=(1000,), checkpoint_dir="s3://bucket/run1",
+    ...                 max_restarts=2)  # doctest: +SKIP
+    """
+    ctx = get_context()
+    settings = _checkpointing
+    if settings.directory is None:
+        raise CheckpointDirMissingError(ctx.rank)
+    if ctx.rank != 0:
+        return None
+    url, nbytes = _checkpoint.write(
+        state,
+        settings.directory,
+        step=step,
+        keep_last=settings.keep_last,
+        storage_options=settings.storage_options,
+    )
+    info = _checkpoint.CheckpointInfo(url, step, nbytes, ctx.rank, time.time())
+    if _channel is not None:
+        _channel.put(_events.CHECKPOINT, [url, step, nbytes, info.time], "save_checkpoint")
+    return info
+
+
+def get_checkpoint() -> Any:
+    """The job's latest complete checkpoint, loaded onto this rank's device, or None.
+
+    None when the job has no ``checkpoint_dir`` or nothing was saved there yet. A file
+    that does not load (cut short by a crash) is skipped for the one before it. Loading
+    uses ``torch.load(weights_only=True)``: tensors, dicts, lists, tuples, numbers and
+    strings come back; anything else raises
+    :class:`~dask_ddp.checkpoint.UnsafeCheckpointError`.
+
+    Raises
+    ------
+    NotInRankError
+        Called outside a rank.
+    """
+    ctx = get_context()
+    settings = _checkpointing
+    if settings.directory is None:
+        return None
+    found = _checkpoint.latest(
+        settings.directory, map_location=ctx.device, storage_options=settings.storage_options
+    )
+    return None if found is None else found[1]
+
+
 @contextlib.contextmanager
 def _activated(
-    ctx: RankContext, channel: _events.RankChannel | None = None
+    ctx: RankContext,
+    channel: _events.RankChannel | None = None,
+    checkpointing: _Checkpointing | None = None,
 ) -> Iterator[RankContext]:
-    """Make ``ctx`` (and its channel) the process's current rank for the block."""
-    global _current, _channel
-    previous = _current, _channel
+    """Make ``ctx`` (its channel, its checkpoints) the process's current rank for the block."""
+    global _current, _channel, _checkpointing
+    previous = _current, _channel, _checkpointing
     _current, _channel = ctx, channel
+    _checkpointing = checkpointing or _Checkpointing(None)
     try:
         yield ctx
     finally:
-        _current, _channel = previous
+        _current, _channel, _checkpointing = previous

@@ -9,6 +9,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -20,7 +21,7 @@ from distributed import Client, Future
 
 from . import bootstrap, config, script
 from .config import TimeoutLike
-from .errors import NotPicklableError, NoWorkersError
+from .errors import NotPicklableError, NoWorkersError, PlacementError
 from .job import Job, MetricRecord
 from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, select_workers
 
@@ -57,6 +58,10 @@ def launch(
     timeout: TimeoutLike | None = None,
     pass_local_rank: bool = False,
     on_report: Callable[[MetricRecord], Any] | None = None,
+    max_restarts: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    keep_last: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
@@ -92,6 +97,20 @@ def launch(
         TensorBoard, MLflow or a file. It runs on the job's watcher thread, never on a rank
         or on the client's event loop; if it raises, the error is logged and it is not
         called again for this job.
+    max_restarts : int, optional
+        How many times to place the job again and rerun ``fn`` when a rank's worker is
+        lost (killed, out of memory, removed) or a rank raises
+        :class:`~dask_ddp.errors.RetryableError`. Each rerun sees
+        ``get_context().attempt`` incremented and ``get_checkpoint()`` returning the
+        last checkpoint. 0 (default) fails the job instead.
+    checkpoint_dir : str, optional
+        Any fsspec URL (``s3://bucket/run1``, a local path the workers share) where
+        :func:`dask_ddp.save_checkpoint` writes and :func:`dask_ddp.get_checkpoint` reads.
+    keep_last : int, optional
+        Keep only the newest N checkpoints (default: all).
+    storage_options : mapping, optional
+        fsspec options for ``checkpoint_dir`` (for example
+        ``{"client_kwargs": {"endpoint_url": "http://minio:9000"}}``).
 
     Returns
     -------
@@ -137,6 +156,10 @@ def launch(
         pass_local_rank=pass_local_rank,
         init_process_group=True,
         on_report=on_report,
+        max_restarts=max_restarts,
+        checkpoint_dir=checkpoint_dir,
+        keep_last=keep_last,
+        storage_options=storage_options,
     )
 
 
@@ -152,118 +175,181 @@ def _launch(
     pass_local_rank: bool,
     init_process_group: bool,
     on_report: Callable[[MetricRecord], Any] | None = None,
+    max_restarts: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    keep_last: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
     settings = config.resolve(backend=backend, timeout=timeout)
     _check_picklable(fn, args, kwargs)
-
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    if not info:
-        raise NoWorkersError(client.scheduler.address)
-    chosen = select_workers(
-        {addr: w["host"] for addr, w in info.items()}, _resolve_names(info, workers)
-    )
-    rank0 = order_workers([WorkerInfo(a, info[a]["host"]) for a in chosen])[0]
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be 0 or more; got {max_restarts!r}")
     job_id = uuid.uuid4().hex[:12]
-
-    probes = client.run(
-        bootstrap.probe_worker,
-        job_id,
-        rank0.address,
-        settings.rendezvous_timeout,
-        workers=chosen,
-    )
-    try:
-        for worker, probe in probes.items():
-            if probe["busy"]:
-                logger.info(
-                    "job %s: worker %s is running %s; this job's rank waits for it "
-                    "(up to ddp.rendezvous-timeout for the other ranks)",
-                    job_id,
-                    worker,
-                    probe["busy"],
-                )
-        infos = [
-            WorkerInfo(
-                address=a,
-                host=info[a]["host"],
-                gpu_count=settings.gpu_count
-                if settings.gpu_count is not None
-                else probes[a]["gpu_count"],
-                cuda_visible_devices=probes[a]["cuda_visible_devices"],
-            )
-            for a in chosen
-        ]
-        chosen_backend, why = choose_backend(settings.backend, infos)
-        plan = plan_ranks(infos)
-    except BaseException:
-        client.run(bootstrap.drop_store, job_id, workers=[rank0.address], on_error="ignore")
-        raise
-    port = probes[rank0.address]["store_port"]
-    logger.info(
-        "job %s: %d ranks on %d hosts, backend %s (%s), rendezvous at %s:%d",
-        job_id,
-        len(plan),
-        plan[-1].node_rank + 1,
-        chosen_backend,
-        why,
-        rank0.host,
-        port,
-    )
-
-    # The job subscribes to its event topic here, before any rank is submitted.
+    launcher = _Launcher(
+        client, fn, args, kwargs, settings, job_id,
+        pass_local_rank=pass_local_rank,
+        init_process_group=init_process_group,
+        checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+        keep_last=keep_last,
+        storage_options=dict(storage_options) if storage_options else None,
+    )  # fmt: skip
+    first = launcher.prepare(0, workers)
+    # The job subscribes to the attempt's event topic before any rank is submitted.
     job = Job(
         client,
         job_id,
-        [p.worker for p in plan],
-        chosen_backend,
-        store_worker=rank0.address,
+        first,
         failure_grace=settings.failure_grace,
         drain_timeout=settings.event_drain_timeout,
         on_report=on_report,
+        max_restarts=max_restarts,
+        relaunch=launcher.relaunch,
     )
-    futures = []
-    for placement in plan:
-        spec = bootstrap.RankSpec(
-            job_id=job_id,
-            key=f"dask-ddp-{job_id}-rank-{placement.rank}",
-            attempt=0,
-            backend=chosen_backend,
-            timeout=settings.timeout,
-            rendezvous_timeout=settings.rendezvous_timeout,
-            master_addr=rank0.host,
-            master_port=port,
-            threads_per_rank=settings.threads_per_rank,
-            allow_daemon_children=settings.allow_daemon_children,
-            pass_local_rank=pass_local_rank,
-            placement=placement,
-            init_process_group=init_process_group,
-            event_flush_interval=settings.event_flush_interval,
-            max_event_bytes=settings.max_event_bytes,
-        )
-        try:
-            futures.append(
-                client.submit(
-                    bootstrap.run_rank,
-                    fn,
-                    args,
-                    kwargs,
-                    spec,
-                    key=spec.key,
-                    workers=[placement.worker],
-                    allow_other_workers=False,
-                    pure=False,
-                    retries=0,
-                )
-            )
-        except BaseException:
-            client.cancel(futures)
-            job._abandon()
-            client.run(bootstrap.drop_store, job_id, workers=[rank0.address], on_error="ignore")
-            raise
-    job._start(futures)
+    job._start()
     return job
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One placement of a job: its run id (attempt 0 uses the job id), ranks and store."""
+
+    run_id: str
+    attempt: int
+    workers: list[str]
+    backend: str
+    store_worker: str
+    submit: Callable[[], list[Future]]
+    abandon: Callable[[], None]
+
+
+class _Launcher:
+    """Places a job on the cluster, for its first attempt and for every restart."""
+
+    def __init__(
+        self,
+        client: Client,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict[str, Any],
+        settings: config.Settings,
+        job_id: str,
+        **rank_options: Any,
+    ) -> None:
+        self.client, self.fn, self.args, self.kwargs = client, fn, args, kwargs
+        self.settings, self.job_id, self.rank_options = settings, job_id, rank_options
+        self.world_size = 0
+
+    def relaunch(self, attempt: int) -> _Attempt:
+        """Place the job again on the workers there now, waiting for enough of them."""
+        timeout = self.settings.rendezvous_timeout
+        try:
+            self.client.wait_for_workers(self.world_size, timeout=timeout)
+        except TimeoutError as exc:
+            raise PlacementError(
+                f"job {self.job_id}: restart {attempt} needs {self.world_size} workers, but "
+                f"fewer were there after {timeout:g} s; scale the cluster or raise "
+                "ddp.rendezvous-timeout"
+            ) from exc
+        return self.prepare(attempt, self.world_size)
+
+    def prepare(self, attempt: int, workers: int | Sequence[str] | None) -> _Attempt:
+        client, settings = self.client, self.settings
+        run_id = self.job_id if attempt == 0 else f"{self.job_id}-{attempt}"
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        if not info:
+            raise NoWorkersError(client.scheduler.address)
+        chosen = select_workers(
+            {addr: w["host"] for addr, w in info.items()}, _resolve_names(info, workers)
+        )
+        rank0 = order_workers([WorkerInfo(a, info[a]["host"]) for a in chosen])[0]
+        probes = client.run(
+            bootstrap.probe_worker, run_id, rank0.address, settings.rendezvous_timeout,
+            workers=chosen,
+        )  # fmt: skip
+
+        def abandon() -> None:
+            client.run(bootstrap.drop_store, run_id, workers=[rank0.address], on_error="ignore")
+
+        try:
+            for worker, probe in probes.items():
+                if probe["busy"]:
+                    logger.info(
+                        "job %s: worker %s is running %s; this job's rank waits for it "
+                        "(up to ddp.rendezvous-timeout for the other ranks)",
+                        run_id, worker, probe["busy"],
+                    )  # fmt: skip
+            infos = [
+                WorkerInfo(
+                    address=a,
+                    host=info[a]["host"],
+                    gpu_count=settings.gpu_count
+                    if settings.gpu_count is not None
+                    else probes[a]["gpu_count"],
+                    cuda_visible_devices=probes[a]["cuda_visible_devices"],
+                )
+                for a in chosen
+            ]
+            backend, why = choose_backend(settings.backend, infos)
+            plan = plan_ranks(infos)
+        except BaseException:
+            abandon()
+            raise
+        port = probes[rank0.address]["store_port"]
+        self.world_size = len(plan)
+        logger.info(
+            "job %s: attempt %d, %d ranks on %d hosts, backend %s (%s), rendezvous at %s:%d",
+            self.job_id, attempt, len(plan), plan[-1].node_rank + 1, backend, why, rank0.host,
+            port,
+        )  # fmt: skip
+        specs = [
+            bootstrap.RankSpec(
+                job_id=run_id,
+                key=f"dask-ddp-{run_id}-rank-{placement.rank}",
+                attempt=attempt,
+                backend=backend,
+                timeout=settings.timeout,
+                rendezvous_timeout=settings.rendezvous_timeout,
+                master_addr=rank0.host,
+                master_port=port,
+                threads_per_rank=settings.threads_per_rank,
+                allow_daemon_children=settings.allow_daemon_children,
+                placement=placement,
+                event_flush_interval=settings.event_flush_interval,
+                max_event_bytes=settings.max_event_bytes,
+                **self.rank_options,
+            )
+            for placement in plan
+        ]
+
+        def submit() -> list[Future]:
+            futures: list[Future] = []
+            try:
+                for spec in specs:
+                    futures.append(
+                        client.submit(
+                            bootstrap.run_rank,
+                            self.fn,
+                            self.args,
+                            self.kwargs,
+                            spec,
+                            key=spec.key,
+                            workers=[spec.placement.worker],
+                            allow_other_workers=False,
+                            pure=False,
+                            retries=0,
+                        )
+                    )
+            except BaseException:
+                client.cancel(futures)
+                abandon()
+                raise
+            return futures
+
+        return _Attempt(
+            run_id, attempt, [p.worker for p in plan], backend, rank0.address, submit, abandon
+        )
 
 
 def launch_script(

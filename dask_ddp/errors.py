@@ -166,9 +166,39 @@ class PeerFailedError(DaskDDPError):
         self.rank, self.failed_rank, self.cause = rank, failed_rank, cause
 
     def __str__(self) -> str:
+        if self.failed_rank < 0:
+            return (
+                f"rank {self.rank} stopped because a peer's connection closed without an "
+                f"error of its own ({self.cause}): a peer's worker process died or was "
+                "killed (out of memory, preemption)"
+            )
         return (
             f"rank {self.rank} stopped because rank {self.failed_rank} failed first "
             f"({self.cause}); see rank {self.failed_rank}'s error for the cause"
+        )
+
+
+class RetryableError(DaskDDPError):
+    """Raise it (or a subclass) in a rank to ask for a restart from the last checkpoint.
+
+    With ``launch(..., max_restarts=N)``, a job whose rank raises it is placed again and
+    the training function runs again, ``get_context().attempt`` incremented. Lost workers
+    are always retried that way.
+    """
+
+
+class CheckpointDirMissingError(DaskDDPError, RuntimeError):
+    """``save_checkpoint()`` was called in a job launched without ``checkpoint_dir``."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self.rank = rank
+
+    def __str__(self) -> str:
+        return (
+            f"save_checkpoint() on rank {self.rank}: this job has no checkpoint directory. "
+            "Launch it with dask_ddp.launch(client, fn, checkpoint_dir='s3://bucket/run1') "
+            "(any fsspec URL, or a local path the workers share)."
         )
 
 

@@ -47,6 +47,7 @@ Handler = Callable[[Any], None]
 #: ``submit_result()`` payload ``[key, path, data]``.
 METRICS = "m"
 RESULT = "r"
+CHECKPOINT = "c"
 
 _HANDLER = "dask_ddp_blob"  # the worker handler that hands large messages to the client
 _EVENT_OVERHEAD = 256  # bytes an event's envelope may take besides its messages

@@ -35,13 +35,14 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from distributed import Client, Future, KilledWorker
 
-from . import bootstrap, events
+from . import bootstrap, checkpoint, events
 from .errors import (
     JobCancelledError,
     JobNotFoundError,
     PeerFailedError,
     RankAbortedError,
     RankFailedError,
+    RetryableError,
     WorkerLostError,
 )
 
@@ -57,9 +58,10 @@ _CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinn
 
 
 class JobState(str, enum.Enum):
-    """PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED."""
+    """RUNNING -> SUCCEEDED | FAILED | CANCELLED; RUNNING -> RESTARTING -> RUNNING."""
 
     RUNNING = "running"
+    RESTARTING = "restarting"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -174,24 +176,24 @@ class Job:
         self,
         client: Client,
         job_id: str,
-        workers: Sequence[str],
-        backend: str,
+        attempt: Any,
         *,
-        store_worker: str,
         failure_grace: float,
         drain_timeout: float = 10.0,
         on_report: Callable[[MetricRecord], Any] | None = None,
+        max_restarts: int = 0,
+        relaunch: Callable[[int], Any] | None = None,
     ) -> None:
         self.client = client
         self.job_id = job_id
-        self.workers = list(workers)
+        self.workers: list[str] = []
         self.futures: list[Future] = []
-        self.backend = backend
-        self.topic = events.job_topic(job_id)
-        self._store_worker = store_worker
+        self.backend = attempt.backend
         self._grace = failure_grace
         self._drain_timeout = drain_timeout
         self._on_report = on_report
+        self._restarts_left = max_restarts
+        self._relaunch = relaunch
         self._state = JobState.RUNNING
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -199,41 +201,67 @@ class Job:
         self._started = time.monotonic()
         self._finished: float | None = None
         self._cancel_reason = "cancelled by the user"
-        self._ended: set[int] = set()  # ranks whose task ended (not lost)
-        self._silent: set[int] = set()  # ended ranks whose process died: no final marker
         # Channel state: written by the watcher thread; readers take _cond.
         self._cond = threading.Condition()
-        self._streams = [events.RankStream() for _ in self.workers]
         self._metrics: list[MetricRecord] = []
+        self._checkpoints: list[checkpoint.CheckpointInfo] = []
         self._results: dict[str, collections.deque[tuple[int, str, Any]]] = {}
         self._streams_closed = False
-        self._progress = [_RankProgress() for _ in self.workers]
+        self._progress = [_RankProgress() for _ in attempt.workers]
         self._curve_metric: str | None = None
         self._rank_errors: dict[int, str] = {}
         self._notes: list[str] = []
         self._views: list[Any] = []
         self._view_due: float | None = None
         self._last_view = 0.0
-        # Subscribe before any rank is submitted: the subscription reaches the scheduler
-        # first, so no event of this job is published before it has a subscriber.
-        self._unsubscribe: list[Callable[[], None]] = [
-            events.subscribe(client, self.topic, self._on_job_event)
-        ]
-        for rank, worker in enumerate(self.workers):
-            self._unsubscribe.append(
-                events.subscribe(client, worker, lambda ev, r=rank: self._on_worker_event(r, ev))
-            )
+        self._unsubscribe: list[Callable[[], None]] = []
+        self._begin(attempt)
         self._watcher = threading.Thread(
             target=self._watch, name=f"dask-ddp-job-{job_id}", daemon=True
         )
 
-    def _start(self, futures: Sequence[Future]) -> None:
-        """Take the submitted rank futures and start watching them."""
-        self.futures.extend(futures)
+    def _begin(self, attempt: Any) -> None:
+        """Take a new placement (the first, or a restart): per-attempt state and
+        subscriptions, before any of its ranks is submitted."""
+        self._attempt = attempt
+        self._run_id: str = attempt.run_id
+        self.topic = events.job_topic(self._run_id)
+        self.workers = list(attempt.workers)
+        self.backend = attempt.backend
+        self.futures = []
+        self._store_worker = attempt.store_worker
+        self._ended: set[int] = set()  # ranks whose task ended (not lost)
+        self._silent: set[int] = set()  # ended ranks whose process died: no final marker
+        self._streams = [events.RankStream() for _ in self.workers]
+        # Subscribe before any rank is submitted: the subscription reaches the scheduler
+        # first, so no event of this attempt is published before it has a subscriber.
+        self._unsubscribe.append(events.subscribe(self.client, self.topic, self._on_job_event))
+        for rank, worker in enumerate(self.workers):
+            self._unsubscribe.append(
+                events.subscribe(
+                    self.client,
+                    worker,
+                    lambda ev, r=rank, w=worker: self._on_worker_event(r, w, ev),
+                )
+            )
+
+    def _submit(self) -> None:
+        futures = self._attempt.submit()
+        self.futures = list(futures)
         for rank, fut in enumerate(self.futures):
             _jobs_by_key[str(fut.key)] = self
             setattr(fut, _JOB_ATTR, self)  # keeps the job (its results) alive with its futures
-            fut.add_done_callback(lambda _f, r=rank: self._inbox.put(("done", r)))
+            fut.add_done_callback(
+                lambda f, r=rank: self._inbox.put(("done", r)) if f in self.futures else None
+            )
+
+    def _start(self) -> None:
+        """Submit the first attempt's ranks and start watching them."""
+        try:
+            self._submit()
+        except BaseException:
+            self._abandon()
+            raise
         self._watcher.start()
 
     def _abandon(self) -> None:
@@ -303,6 +331,21 @@ class Job:
         self._cancel_reason = reason
         self._inbox.put(("cancel", -1))
         self._done.wait()
+
+    @property
+    def checkpoints(self) -> list[checkpoint.CheckpointInfo]:
+        """Every checkpoint the ranks saved (:func:`dask_ddp.save_checkpoint`), as it lands.
+
+        Each is a :class:`~dask_ddp.checkpoint.CheckpointInfo` (url, step, nbytes, rank,
+        time), in the order they were written, across restarts.
+        """
+        with self._cond:
+            return list(self._checkpoints)
+
+    @property
+    def attempts(self) -> int:
+        """How many times the job was placed: 1, plus one per restart."""
+        return self._attempt.attempt + 1
 
     @property
     def metrics(self) -> list[MetricRecord]:
@@ -425,10 +468,15 @@ class Job:
         # Runs on the client's event loop: only queue.
         self._inbox.put(("event", event[1]))
 
-    def _on_worker_event(self, rank: int, event: Any) -> None:
+    def _on_worker_event(self, rank: int, worker: str, event: Any) -> None:
         # Runs on the client's event loop: only queue.
         _, msg = event
-        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
+        if (
+            isinstance(msg, dict)
+            and msg.get("action") == "remove-worker"
+            and rank < len(self.workers)
+            and self.workers[rank] == worker
+        ):
             self._inbox.put(("lost", rank))
 
     def _get(self, timeout: float | None = None) -> tuple[str, int]:
@@ -479,6 +527,55 @@ class Job:
         events.forget_topic(self.client, self.topic)
 
     def _watch_until_done(self) -> None:
+        while True:
+            self._watch_attempt()
+            if (
+                self._state is not JobState.FAILED
+                or self._restarts_left <= 0
+                or self._relaunch is None
+                or not _retryable(self._error)
+            ):
+                return
+            self._restart()
+            if self._state is JobState.FAILED:
+                return
+
+    def _restart(self) -> None:
+        """Place the job again after a retryable failure and submit its ranks."""
+        cause = self._error
+        self._restarts_left -= 1
+        attempt = self._attempt.attempt + 1
+        logger.warning(
+            "job %s: %s; restarting from the last checkpoint (attempt %d, %d restarts left)",
+            self.job_id, cause, attempt + 1, self._restarts_left,
+        )  # fmt: skip
+        self._note(f"attempt {attempt + 1} after: {cause}")
+        self._drain(self._ended - self._silent, min(self._drain_timeout, 1.0), warn=False)
+        for unsubscribe in self._unsubscribe:
+            try:
+                unsubscribe()
+            except Exception:
+                logger.debug("job %s: unsubscribe failed", self.job_id, exc_info=True)
+        self._unsubscribe.clear()
+        events.forget_topic(self.client, self.topic)
+        self._state = JobState.RESTARTING
+        self._error = None
+        with self._cond:
+            self._rank_errors.clear()
+        try:
+            placed = self._relaunch(attempt)  # type: ignore[misc]
+            self._begin(placed)
+            self._submit()
+        except Exception as exc:
+            logger.warning("job %s: could not restart: %s", self.job_id, exc)
+            exc.__cause__ = exc.__cause__ or cause
+            self._error = exc
+            self._state = JobState.FAILED
+            return
+        self._state = JobState.RUNNING
+        self._refresh_views()
+
+    def _watch_attempt(self) -> None:
         finished = self._ended
         while len(finished) < self.world_size:
             kind, rank = self._get()
@@ -557,13 +654,21 @@ class Job:
         )
 
     def _stop(self, reason: str, running: set[int], finished: set[int]) -> None:
-        """Stop the ranks in ``running``: abort in place, then restart stuck workers."""
+        """Stop the ranks in ``running``: abort in place, then restart stuck workers.
+
+        Ranks whose worker has left the cluster are only cancelled: there is nothing to
+        stop, and a call to a gone worker would wait for its connect timeout.
+        """
         client = self.client
-        targets = sorted({self.workers[r] for r in running})
+        alive = set(client.scheduler_info(n_workers=-1)["workers"])
+        gone = {r for r in running if self.workers[r] not in alive}
+        finished |= gone
+        self._silent |= gone  # no final marker will come from them
+        targets = sorted({self.workers[r] for r in running - gone})
         if targets:
             try:
                 client.run(
-                    bootstrap.abort_rank, self.job_id, reason, workers=targets, on_error="ignore"
+                    bootstrap.abort_rank, self._run_id, reason, workers=targets, on_error="ignore"
                 )
             except Exception:
                 logger.debug("job %s: abort request failed", self.job_id, exc_info=True)
@@ -591,7 +696,7 @@ class Job:
                 logger.warning("job %s: could not restart %s", self.job_id, stuck, exc_info=True)
         try:
             client.run(
-                bootstrap.drop_store, self.job_id, workers=[self._store_worker], on_error="ignore"
+                bootstrap.drop_store, self._run_id, workers=[self._store_worker], on_error="ignore"
             )
         except Exception:
             logger.debug("job %s: store cleanup failed", self.job_id, exc_info=True)
@@ -599,7 +704,7 @@ class Job:
     # -- the channel ------------------------------------------------------------------
     def _handle(self, msg: Any, *, fill: bool = True) -> None:
         """Take one event of the job's topic (watcher thread)."""
-        if not isinstance(msg, dict) or msg.get("job") != self.job_id:
+        if not isinstance(msg, dict) or msg.get("job") != self._run_id:
             return
         rank = msg.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
@@ -661,6 +766,11 @@ class Job:
                         self._curve_metric = _pick_curve_metric(values)
                     self._progress[rank].add(rec, self._curve_metric)
                     records.append(rec)
+                elif kind == events.CHECKPOINT:
+                    url, step, nbytes, when = body
+                    self._checkpoints.append(
+                        checkpoint.CheckpointInfo(url, step, nbytes, rank, when)
+                    )
                 elif kind == events.RESULT:
                     key, path, data = body
                     self._results.setdefault(key, collections.deque()).append((rank, path, data))
@@ -729,7 +839,7 @@ class Job:
             if stream.complete:
                 continue  # every large message of this rank was fetched
             try:
-                events.drop_blobs(self.client, self.workers[rank], self.job_id)
+                events.drop_blobs(self.client, self.workers[rank], self._run_id)
             except Exception:
                 logger.debug("job %s: could not release rank %d's leftovers", self.job_id, rank)
         self._refresh_views()
@@ -840,6 +950,15 @@ class Job:
 
 # -- rendering (client only) ---------------------------------------------------------
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+
+
+def _retryable(error: BaseException | None) -> bool:
+    """Worker loss, and RetryableError raised by a rank, earn a restart."""
+    if isinstance(error, WorkerLostError):
+        return True
+    if isinstance(error, PeerFailedError):
+        return error.failed_rank < 0  # a peer's process died without an error of its own
+    return isinstance(error, RankFailedError) and isinstance(error.__cause__, RetryableError)
 
 
 def _pick_curve_metric(values: dict[str, float]) -> str:

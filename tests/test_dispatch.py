@@ -276,7 +276,8 @@ def test_no_workers() -> None:
 
     with (
         LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty,
-        Client(empty) as c,pytest.raises(dask_ddp.NoWorkersError, match="no workers")
+        Client(empty) as c,
+        pytest.raises(dask_ddp.NoWorkersError, match="no workers"),
     ):
         dask_ddp.launch(c, _seen_by_rank, args=("x",))
 

@@ -14,6 +14,7 @@ from distributed import Client, Event, LocalCluster
 
 import dask_ddp
 from dask_ddp import events
+from dask_ddp.dispatch import _Attempt
 from dask_ddp.job import Job, _render_html, _WidgetView
 
 
@@ -227,7 +228,9 @@ def test_missing_events_are_filled_from_the_scheduler(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
     worker = next(iter(client.scheduler_info(n_workers=-1)["workers"]))
-    job = Job(client, uuid.uuid4().hex[:12], [worker], "gloo", store_worker=worker, failure_grace=1)
+    job_id = uuid.uuid4().hex[:12]
+    placed = _Attempt(job_id, 0, [worker], "gloo", worker, submit=list, abandon=lambda: None)
+    job = Job(client, job_id, placed, failure_grace=1)
     try:
 
         def event(seq: int, steps: range) -> dict:

@@ -21,7 +21,10 @@ def collect(loader: DataLoader) -> list[tuple[torch.Tensor, int]]:
     return [(x, int(t)) for images, targets in loader for x, t in zip(images, targets, strict=True)]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize(
+    "context",
+    ["fork", pytest.param("spawn", marks=pytest.mark.slow)],  # spawn: 4-20 s
+)
 def test_dataloader_workers_with_distributed_sampler(s3_endpoint, s3_images, context, image_count):
     bucket, prefix, local = s3_images
     to_tensor = transforms.ToTensor()
@@ -108,6 +111,7 @@ def test_clients_inherited_through_fork_are_not_closed_in_the_child(s3_client, b
     assert child.exitcode == 0
 
 
+@pytest.mark.slow  # 5-8 s, most of it uploading 1,010 objects to moto
 def test_more_than_one_page_of_keys(s3_endpoint, s3_client, bucket):
     from concurrent.futures import ThreadPoolExecutor
 

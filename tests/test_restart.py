@@ -1,0 +1,122 @@
+"""Checkpoints from ranks, and restarts after a lost worker, on real LocalClusters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import Client
+
+import dask_ddp
+
+
+def resumable(steps: int, ckpt_every: int, kill_at: int | None) -> dict:
+    """Deterministic DDP training that resumes from dask_ddp's checkpoints."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start = 0
+    state = dask_ddp.get_checkpoint()
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"] + 1
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(1000 * step + ctx.rank)  # data order fixed by step
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if step % ckpt_every == ckpt_every - 1:
+            dask_ddp.save_checkpoint(
+                {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
+                step=step,
+            )
+        if kill_at is not None and ctx.attempt == 0 and ctx.rank == 1 and step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a preemption would
+    return {
+        "attempt": ctx.attempt,
+        "start": start,
+        "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+    }
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_from_checkpoint(own_cluster, tmp_path: Path) -> None:
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        reference = dask_ddp.launch(
+            client, resumable, args=(12, 3, None), checkpoint_dir=str(tmp_path / "ref")
+        ).result(timeout=120)
+        job = dask_ddp.launch(
+            client,
+            resumable,
+            args=(12, 3, 7),
+            max_restarts=1,
+            checkpoint_dir=str(tmp_path / "run"),
+        )
+        out = job.result(timeout=180)
+        assert [o["attempt"] for o in out] == [1, 1]
+        assert [o["start"] for o in out] == [6, 6]  # the checkpoint of step 5
+        for name, value in reference[0]["params"].items():
+            for o in out:
+                torch.testing.assert_close(o["params"][name], value)
+        assert [c.step for c in job.checkpoints][-1] == 11
+        assert job.attempts == 2
+
+
+@pytest.mark.slow
+def test_killed_worker_without_restarts_fails_fast(own_cluster, tmp_path: Path) -> None:
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        job = dask_ddp.launch(client, resumable, args=(10_000, 1000, 3))
+        start = time.monotonic()
+        with pytest.raises(dask_ddp.WorkerLostError) as info:
+            job.result(timeout=60)
+        assert time.monotonic() - start < 30
+        assert info.value.rank == 1
+        assert info.value.worker == job.workers[1]
+
+
+def _save_and_load(directory_check: bool) -> dict:
+    ctx = dask_ddp.get_context()
+    before = dask_ddp.get_checkpoint()
+    dask_ddp.save_checkpoint({"w": torch.full((2,), float(ctx.rank)), "step": 4}, step=4)
+    return {"before": before, "rank": ctx.rank}
+
+
+def test_rank_zero_writes_and_client_sees_checkpoints(client: Client, tmp_path: Path) -> None:
+    job = dask_ddp.launch(client, _save_and_load, args=(True,), checkpoint_dir=str(tmp_path))
+    out = job.result(timeout=120)
+    assert [o["before"] for o in out] == [None, None]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["checkpoint-000000000004.pt"]
+    loaded = torch.load(tmp_path / files[0], weights_only=True)
+    torch.testing.assert_close(loaded["w"], torch.zeros(2))  # rank 0's state
+    (info,) = job.checkpoints
+    assert info.step == 4 and info.rank == 0 and info.url.endswith(files[0])
+
+
+def _save_without_dir() -> None:
+    dask_ddp.save_checkpoint({"x": 1}, step=1)
+
+
+def test_save_checkpoint_needs_a_directory(client: Client) -> None:
+    with pytest.raises(dask_ddp.RankFailedError, match="checkpoint_dir"):
+        dask_ddp.launch(client, _save_without_dir).result(timeout=120)
+
+
+def test_checkpoint_functions_outside_a_rank() -> None:
+    with pytest.raises(dask_ddp.NotInRankError):
+        dask_ddp.get_checkpoint()
+    with pytest.raises(dask_ddp.NotInRankError):
+        dask_ddp.save_checkpoint({}, step=0)
