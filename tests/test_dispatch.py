@@ -93,8 +93,9 @@ def test_run_is_dask_pytorch_ddp_compatible(client: Client) -> None:
 
 def test_identical_arguments_train_again(client: Client) -> None:
     first = dask_ddp.launch(client, time.time_ns)
+    first_result = first.result(timeout=60)
     second = dask_ddp.launch(client, time.time_ns)
-    assert first.result(timeout=60) != second.result(timeout=60)
+    assert first_result != second.result(timeout=60)
     assert {f.key for f in first.futures}.isdisjoint(f.key for f in second.futures)
     assert first.job_id != second.job_id
 

@@ -120,3 +120,28 @@ def test_checkpoint_functions_outside_a_rank() -> None:
         dask_ddp.get_checkpoint()
     with pytest.raises(dask_ddp.NotInRankError):
         dask_ddp.save_checkpoint({}, step=0)
+
+
+def _flaky_once() -> int:
+    ctx = dask_ddp.get_context()
+    if ctx.attempt == 0 and ctx.rank == 1:
+        raise dask_ddp.RetryableError("transient: the data service timed out")
+    return ctx.attempt
+
+
+def test_retryable_error_restarts_the_job(client: Client) -> None:
+    job = dask_ddp.launch(client, _flaky_once, max_restarts=1)
+    assert job.result(timeout=120) == [1, 1]
+    assert job.attempts == 2
+
+
+def test_other_errors_are_not_retried(client: Client) -> None:
+    job = dask_ddp.launch(client, _fail_always, max_restarts=3)
+    with pytest.raises(dask_ddp.RankFailedError, match="not retryable"):
+        job.result(timeout=120)
+    assert job.attempts == 1
+
+
+def _fail_always() -> None:
+    if dask_ddp.get_context().rank == 0:
+        raise ValueError("not retryable")
