@@ -42,8 +42,6 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         or "dask_ddp" in str(o.get("data", {}).get("text/html", ""))
     ]
     assert views, "the job's live view did not render"
-    text = "".join(
-        o.get("text", "") for o in outputs if o.get("output_type") == "stream"
-    )
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     records = int(text.split("records: ")[1].split()[0].rstrip(","))
     assert records > 0, "no metrics arrived"
