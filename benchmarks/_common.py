@@ -1,0 +1,85 @@
+"""What the benchmark scripts share: the model, the torchrun command line, and the header.
+
+Imported by the scripts in this folder as ``_common`` (running ``python benchmarks/x.py``
+puts this folder first on ``sys.path``). Functions that run on the ranks pickle references
+to this module, so the processes that run them must import it too: Dask's worker processes
+inherit ``sys.path`` from the process that started them; other launchers (Ray's workers)
+need this folder on ``PYTHONPATH`` (:func:`export_path`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def small_cnn() -> torch.nn.Module:
+    """The benchmarks' model: a small CNN for 1x28x28 images, 10 classes, seeded (0).
+
+    >>> sum(p.numel() for p in small_cnn().parameters())
+    9930
+    """
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(), nn.Linear(512, 10),
+    )  # fmt: skip
+
+
+def median(values: Iterable[float]) -> float:
+    """The median, or NaN for no values (a tool that did not run).
+
+    >>> median([3.0, 1.0, 2.0]), median([])
+    (2.0, nan)
+    """
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def torchrun_command(script: str, nproc: int, args: Sequence[str]) -> list[str]:
+    """``torchrun --standalone --nproc-per-node=N script ARGS``, with this interpreter.
+
+    >>> torchrun_command("b.py", 2, ["--child"])[2:]
+    ['torch.distributed.run', '--nproc-per-node=2', '--standalone', 'b.py', '--child']
+    """
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--standalone", script, *args,
+    ]  # fmt: skip
+
+
+def export_path() -> None:
+    """Put this folder on ``PYTHONPATH`` so that processes started from now on (Ray's
+    workers, torchrun's children) can import ``_common``."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if HERE not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([HERE, *parts])
+
+
+def command_line() -> str:
+    """The exact command that is running, to paste into BENCHMARKS.md."""
+    return shlex.join([os.path.basename(sys.executable), *sys.argv])
+
+
+def versions(*dists: str) -> str:
+    """``python X, torch Y, <dist> Z, ..., N cores``; "not installed" for a missing one."""
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    for dist in dists:
+        try:
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    parts.append(f"{os.cpu_count()} cores")
+    return ", ".join(parts)
