@@ -1,10 +1,11 @@
 """Checkpoints at any fsspec URL: atomic writes, the last N kept, safe loads.
 
-A checkpoint is one file ``<dir>/checkpoint-<step>.pt`` written with ``torch.save``. It is
-written under a temporary name and moved into place, so a reader never sees a partial
-file: a local rename is atomic, and on object stores the final object appears whole or not
-at all. Loads use ``torch.load(weights_only=True)``: tensors, dicts, lists, tuples, numbers
-and strings round-trip; anything that would need arbitrary unpickling is refused.
+A checkpoint is one file ``<dir>/checkpoint-<step>.pt`` written with ``torch.save``. A
+reader never sees a partial file: on a file system it is written under a temporary name and
+renamed into place; on an object store (S3, GCS, Azure) it is uploaded to its final key,
+where it appears only once the upload completes. Loads use
+``torch.load(weights_only=True)``: tensors, dicts, lists, tuples, numbers and strings
+round-trip; anything that would need arbitrary unpickling is refused.
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def _fs(directory: str, storage_options: Mapping[str, Any] | None) -> tuple[Any,
     return url_to_fs(directory, **dict(storage_options or {}))
 
 
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+
+
+def _puts_are_atomic(fs: Any) -> bool:
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & _OBJECT_STORES)
+
+
 def _url(fs: Any, path: str) -> str:
     return fs.unstrip_protocol(path)
 
@@ -106,16 +115,24 @@ def write(
     fs, root = _fs(directory, storage_options)
     fs.makedirs(root, exist_ok=True)
     final = f"{root.rstrip('/')}/checkpoint-{step:012d}.pt"
-    temp = f"{root.rstrip('/')}/.checkpoint-{step:012d}.{uuid.uuid4().hex}.partial"
-    try:
-        with fs.open(temp, "wb") as f:
+    if _puts_are_atomic(fs):
+        # An object store shows an object only once its upload completes (a multipart
+        # upload cut short leaves nothing), so the final key is written directly: a copy
+        # to it would cost a second full transfer.
+        with fs.open(final, "wb") as f:
             torch.save(state, f)
-        nbytes = fs.size(temp)
-        fs.mv(temp, final)
-    except BaseException:
-        if fs.exists(temp):
-            fs.rm(temp)
-        raise
+        nbytes = fs.size(final)
+    else:
+        temp = f"{root.rstrip('/')}/.checkpoint-{step:012d}.{uuid.uuid4().hex}.partial"
+        try:
+            with fs.open(temp, "wb") as f:
+                torch.save(state, f)
+            nbytes = fs.size(temp)
+            fs.mv(temp, final)  # a rename: atomic on a local or network file system
+        except BaseException:
+            if fs.exists(temp):
+                fs.rm(temp)
+            raise
     if keep_last is not None:
         for _, old in list_checkpoints(directory, storage_options)[:-keep_last]:
             fs.rm(old)
