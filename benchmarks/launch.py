@@ -86,7 +86,7 @@ def run_predecessor(client, steps: int, warmup: int) -> tuple[float, float, list
     return max(o["entered"] for o in out) - t0, time.time() - t0, out
 
 
-def run_torchrun(steps: int, warmup: int) -> tuple[float, float, list[dict]]:
+def run_torchrun(steps: int, warmup: int, env: dict) -> tuple[float, float, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "out.json")
         t0 = time.time()
@@ -95,7 +95,7 @@ def run_torchrun(steps: int, warmup: int) -> tuple[float, float, list[dict]]:
                 os.path.abspath(__file__), WORLD,
                 ["--child", "--out", out_path, "--steps", str(steps), "--warmup", str(warmup)],
             ),
-            capture_output=True, text=True,
+            capture_output=True, text=True, env=env,
         )  # fmt: skip
         total = time.time() - t0
         if proc.returncode != 0:
@@ -142,6 +142,10 @@ def main() -> None:
     total: dict[str, list[float]] = {n: [] for n in names}
     speed: dict[str, list[float]] = {n: [] for n in names}
     threads: dict[str, int] = {}
+    # Starting a LocalCluster sets MALLOC_TRIM_THRESHOLD_ (and *_NUM_THREADS) in this
+    # process's environment for its workers; torchrun must not inherit it, or its ranks train
+    # with the worker's malloc setting (half speed), which is not what a torchrun user gets.
+    clean_env = dict(os.environ)
 
     with (
         LocalCluster(
@@ -156,8 +160,8 @@ def main() -> None:
             for name in names:
                 # short job: launch latency and end-to-end
                 if name == "torchrun":
-                    entered, elapsed, _ = run_torchrun(0, 0)
-                    _, _, trained = run_torchrun(args.steps, args.warmup)
+                    entered, elapsed, _ = run_torchrun(0, 0, clean_env)
+                    _, _, trained = run_torchrun(args.steps, args.warmup, clean_env)
                 else:
                     entered, elapsed, _ = launchers[name](client, 0, 0)
                     _, _, trained = launchers[name](client, args.steps, args.warmup)

@@ -2,7 +2,7 @@
 
 The rank task (:func:`run_rank`) sets the torchrun environment, joins the process group,
 calls the user's function and always leaves the worker as it found it: environment,
-thread count, daemon flag and the default process group are restored, on success,
+thread count, daemon flag, malloc thresholds and the default process group are restored, on success,
 exception or abort.
 
 Rendezvous: the probe opens the job's ``TCPStore`` on rank 0's worker (port 0, so the OS
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from . import events
+from . import _malloc, events
 from .context import RankContext, _activated, _Checkpointing
 from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
 from .placement import RankPlacement
@@ -62,6 +62,7 @@ class RankSpec:
     storage_options: dict[str, Any] | None = None
     event_flush_interval: float = 0.2  # ddp.event-flush-interval, resolved on the client
     max_event_bytes: int = 65536  # ddp.max-event-bytes, resolved on the client
+    tune_malloc: bool = True  # ddp.tune-malloc
 
 
 @dataclasses.dataclass
@@ -421,6 +422,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
         _patched_environ(_torchrun_env(spec)),
         _thread_share(spec),
         _children_allowed(spec.allow_daemon_children),
+        _malloc.tuned(spec.tune_malloc),
     ):
         store = _connect_store(spec)
         _rendezvous(store, spec)

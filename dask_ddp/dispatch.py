@@ -315,6 +315,7 @@ class _Launcher:
                 master_port=port,
                 threads_per_rank=settings.threads_per_rank,
                 allow_daemon_children=settings.allow_daemon_children,
+                tune_malloc=settings.tune_malloc,
                 placement=placement,
                 event_flush_interval=settings.event_flush_interval,
                 max_event_bytes=settings.max_event_bytes,

@@ -1,0 +1,55 @@
+"""Ranks train with glibc's upper malloc thresholds, not the Dask worker's trim setting."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+import dask.config
+import pytest
+from distributed import Client
+
+import dask_ddp
+
+pytestmark = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="malloc thresholds are a glibc feature"
+)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def mmapped_by_a_1mib_allocation() -> dict:
+    """Whether a 1 MiB allocation becomes its own mmap here, and the malloc variables."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    before = libc.mallinfo2().hblks
+    block = bytearray(1 << 20)
+    mmapped = libc.mallinfo2().hblks > before
+    del block
+    return {"mmapped": mmapped, "env": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
+
+
+def test_rank_lifts_the_workers_trim_threshold_and_restores_it(client: Client) -> None:
+    on_worker = client.run(mmapped_by_a_1mib_allocation)
+    assert all(r == {"mmapped": True, "env": "65536"} for r in on_worker.values()), on_worker
+
+    in_rank = dask_ddp.launch(client, mmapped_by_a_1mib_allocation).result()
+    assert in_rank == [{"mmapped": False, "env": None}] * 2
+
+    after = client.run(mmapped_by_a_1mib_allocation)
+    assert after == on_worker
+
+
+def test_tune_malloc_can_be_switched_off(client: Client) -> None:
+    with dask.config.set({"ddp.tune-malloc": False}):
+        in_rank = dask_ddp.launch(client, mmapped_by_a_1mib_allocation).result()
+    assert in_rank == [{"mmapped": True, "env": "65536"}] * 2
