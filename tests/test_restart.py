@@ -90,6 +90,7 @@ def test_killed_worker_without_restarts_fails_fast(own_cluster, tmp_path: Path) 
 def _save_and_load(directory_check: bool) -> dict:
     ctx = dask_ddp.get_context()
     before = dask_ddp.get_checkpoint()
+    torch.distributed.barrier()  # both looked before rank 0 writes
     dask_ddp.save_checkpoint({"w": torch.full((2,), float(ctx.rank)), "step": 4}, step=4)
     return {"before": before, "rank": ctx.rank}
 
