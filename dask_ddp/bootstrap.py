@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from . import _malloc, events
+from . import _malloc, _status, events
 from .context import RankContext, _activated, _Checkpointing
 from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
 from .placement import RankPlacement
@@ -164,6 +164,11 @@ def _claim_slot(spec: RankSpec) -> Iterator[_ActiveRank]:
     with _slot_free:
         # Another job's rank in this process (a worker with several threads): queue behind
         # it, as Dask queues tasks on a single-threaded worker.
+        if _active is not None:
+            _status.phase(
+                _status.QUEUED,
+                f"waiting for job {_active.job_id} (rank {_active.rank}) to finish on this worker",
+            )
         if not _slot_free.wait_for(lambda: _active is None, timeout=spec.rendezvous_timeout):
             raise WorkerBusyError(spec.placement.worker, _active.key)
         _active = _ActiveRank(spec.job_id, spec.key, spec.placement.rank, threading.get_ident())
@@ -304,8 +309,11 @@ def _connect_store(spec: RankSpec) -> Any:
 def _rendezvous(store: Any, spec: RankSpec) -> None:
     """Wait until every rank has joined, within the rendezvous timeout."""
     world = spec.placement.world_size
-    if store.add(_JOINED, 1) == world:
+    joined = store.add(_JOINED, 1)
+    if joined == world:
         store.set(_READY, "1")
+    else:
+        _status.phase(_status.JOINING, f"waiting for the other ranks ({joined} of {world} joined)")
     try:
         store.wait([_READY], timedelta(seconds=spec.rendezvous_timeout))
     except (RuntimeError, TimeoutError) as exc:
@@ -414,10 +422,12 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
     """
     import torch
     import torch.distributed as dist
+    from distributed import get_worker
 
     p = spec.placement
     kwargs = {**kwargs, "local_rank": p.local_rank} if spec.pass_local_rank else kwargs
     with (
+        _status.reporting(get_worker(), spec.job_id, p.rank),
         _claim_slot(spec) as slot,
         _patched_environ(_torchrun_env(spec)),
         _thread_share(spec),
@@ -438,6 +448,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
                 timeout=timedelta(seconds=spec.timeout),
             )
             slot.links = _pg_links(before, _dask_ports())
+        _status.phase(_status.RUNNING)
         ctx = RankContext(
             rank=p.rank,
             local_rank=p.local_rank,

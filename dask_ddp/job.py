@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import html
 import logging
 import math
 import queue
@@ -35,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from distributed import Client, Future, KilledWorker
 
-from . import bootstrap, checkpoint, events
+from . import bootstrap, checkpoint, events, view
 from .errors import (
     JobCancelledError,
     JobNotFoundError,
@@ -146,6 +145,15 @@ class _RankProgress:
         return (self.count - 1) / (self.last_time - self.first_time)
 
 
+class _RankStatus:
+    """A rank's phase in the current attempt, and what it last said it was busy with."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None  # None: submitted, its task has not started yet
+        self.detail = ""
+        self.time = 0.0  # when the rank said it (the rank's clock, as record times)
+
+
 class Job:
     """Handle on a job started by :func:`dask_ddp.launch`.
 
@@ -204,6 +212,7 @@ class Job:
         # Channel state: written by the watcher thread; readers take _cond.
         self._cond = threading.Condition()
         self._metrics: list[MetricRecord] = []
+        self._status_changes = 0  # rank status messages seen (wakes Job.watch)
         self._checkpoints: list[checkpoint.CheckpointInfo] = []
         self._results: dict[str, collections.deque[tuple[int, str, Any]]] = {}
         self._streams_closed = False
@@ -233,6 +242,7 @@ class Job:
         self._ended: set[int] = set()  # ranks whose task ended (not lost)
         self._silent: set[int] = set()  # ended ranks whose process died: no final marker
         self._streams = [events.RankStream() for _ in self.workers]
+        self._status = [_RankStatus() for _ in self.workers]
         # Subscribe before any rank is submitted: the subscription reaches the scheduler
         # first, so no event of this attempt is published before it has a subscriber.
         self._unsubscribe.append(events.subscribe(self.client, self.topic, self._on_job_event))
@@ -446,14 +456,19 @@ class Job:
         """
         from tqdm.auto import tqdm
 
-        shown = 0
+        shown, changes = 0, -1
         with tqdm(desc=f"job {self.job_id}", unit=" records", file=file) as bar:
             while True:
                 with self._cond:
                     self._cond.wait_for(
-                        lambda n=shown: len(self._metrics) > n or self._streams_closed
+                        lambda n=shown, c=changes: (
+                            len(self._metrics) > n
+                            or self._status_changes != c
+                            or self._streams_closed
+                        )
                     )
                     count, closed = len(self._metrics), self._streams_closed
+                    changes = self._status_changes
                     line = self._progress_line()
                 bar.set_postfix_str(line, refresh=False)
                 bar.update(count - shown)
@@ -709,11 +724,25 @@ class Job:
         rank = msg.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             return
+        if "status" in msg:  # unnumbered: the rank's phase or activity (dask_ddp._status)
+            self._set_status(rank, msg)
+            return
         stream = self._streams[rank]
         for event in stream.add(msg):
             self._deliver(rank, event)
         if fill and stream.has_gap and not stream.complete:
             self._fill_gaps()
+
+    def _set_status(self, rank: int, msg: dict[str, Any]) -> None:
+        status = self._status[rank]
+        with self._cond:
+            if msg["status"] is not None:
+                status.phase = msg["status"]
+            status.detail = str(msg.get("detail") or "")
+            status.time = float(msg.get("time") or time.time())
+            self._status_changes += 1
+            self._cond.notify_all()
+        self._mark_views()
 
     def _fill_gaps(self) -> None:
         """Recover missed events from the scheduler's history of the topic; give up on
@@ -876,9 +905,9 @@ class Job:
         if not self._views:
             return
         snap = self._snapshot()
-        for view in list(self._views):
+        for shown in list(self._views):
             try:
-                view.update(snap)
+                shown.update(snap)
             except Exception:  # a closed notebook must not stop the watcher
                 logger.debug("job %s: live view update failed", self.job_id, exc_info=True)
 
@@ -887,11 +916,18 @@ class Job:
             ranks = []
             for r, (worker, prog) in enumerate(zip(self.workers, self._progress, strict=True)):
                 fut = self.futures[r] if r < len(self.futures) else None
+                status = self._status[r]
+                if fut is None or fut.status != "pending":
+                    phase = fut.status if fut is not None else "pending"
+                else:
+                    phase = status.phase or "submitted"
+                fresh = self._fresh(status, prog)
                 ranks.append(
                     {
                         "rank": r,
                         "worker": worker,
-                        "status": fut.status if fut is not None else "pending",
+                        "status": phase,
+                        "activity": status.detail if fresh and phase != "finished" else "",
                         "count": prog.count,
                         "step": prog.step,
                         "last": dict(prog.last),
@@ -913,12 +949,24 @@ class Job:
                 "notes": list(self._notes),
             }
 
+    @staticmethod
+    def _fresh(status: _RankStatus, prog: _RankProgress) -> bool:
+        """Whether what the rank last said it was busy with is still news: said before it
+        reported anything, or at most a couple of seconds before its latest report (a
+        probe such as a cache filling keeps it fresh while training reports flow)."""
+        return bool(status.detail) and status.time >= (prog.last_time or 0.0) - 2.0
+
     def _progress_line(self) -> str:
         parts = []
         for r, prog in enumerate(self._progress):
+            status = self._status[r]
+            activity = f" ({status.detail})" if self._fresh(status, prog) else ""
+            if prog.count == 0:
+                parts.append(f"r{r} {status.phase or 'submitted'}{activity}")
+                continue
             step = f" step {prog.step}" if prog.step is not None else f" {prog.count} rec"
-            shown = ", ".join(f"{k} {_fmt(v)}" for k, v in list(prog.last.items())[:2])
-            parts.append(f"r{r}{step}" + (f" {shown}" if shown else ""))
+            shown = ", ".join(f"{k} {view.fmt(v)}" for k, v in list(prog.last.items())[:2])
+            parts.append(f"r{r}{step}" + (f" {shown}" if shown else "") + activity)
         return " | ".join(parts)
 
     def __repr__(self) -> str:
@@ -928,7 +976,7 @@ class Job:
         )
 
     def _repr_html_(self) -> str:
-        return _render_html(self._snapshot())
+        return view.render_html(self._snapshot())
 
     def _ipython_display_(self) -> None:
         """The live view: ipywidgets progress bars per rank, a loss curve and errors,
@@ -936,20 +984,15 @@ class Job:
         when ipywidgets is not installed)."""
         from IPython.display import display
 
-        view: _WidgetView | _HandleView
+        shown: view.WidgetView | view.HandleView
         try:
-            view = _WidgetView(self.world_size)
+            shown = view.WidgetView(self.world_size)
         except ImportError:
-            view = _HandleView()
-        snap = self._snapshot()
-        view.show(display, snap)
-        self._views.append(view)
+            shown = view.HandleView()
+        shown.show(display, self._snapshot())
+        self._views.append(shown)
         if self._streams_closed:
-            view.update(self._snapshot())
-
-
-# -- rendering (client only) ---------------------------------------------------------
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+            shown.update(self._snapshot())
 
 
 def _retryable(error: BaseException | None) -> bool:
@@ -965,149 +1008,3 @@ def _pick_curve_metric(values: dict[str, float]) -> str:
     if "loss" in values:
         return "loss"
     return next((k for k in values if "loss" in k.lower()), next(iter(values)))
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
-    """A small line chart of ``metric`` per rank, as inline SVG (no plotting library)."""
-    points = [p for r in ranks for p in r["curve"]]
-    if metric is None or len(points) < 2:
-        return ""
-    width, height, pad = 440, 150, 34
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
-
-    def sx(x: float) -> float:
-        return pad + (x - x0) / (x1 - x0) * (width - pad - 8)
-
-    def sy(y: float) -> float:
-        return height - 18 - (y - y0) / (y1 - y0) * (height - 28)
-
-    lines = []
-    for r in ranks:
-        if len(r["curve"]) < 2:
-            continue
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in r["curve"])
-        color = _COLORS[r["rank"] % len(_COLORS)]
-        lines.append(
-            f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}">'
-            f"<title>rank {r['rank']}</title></polyline>"
-        )
-    label = html.escape(metric)
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'style="font:10px sans-serif">'
-        f'<rect x="{pad}" y="10" width="{width - pad - 8}" height="{height - 28}" fill="none" '
-        f'stroke="#ccc"/>{"".join(lines)}'
-        f'<text x="2" y="14">{_fmt(y1)}</text><text x="2" y="{height - 18}">{_fmt(y0)}</text>'
-        f'<text x="{pad}" y="{height - 4}">step {_fmt(x0)}</text>'
-        f'<text x="{width - 8}" y="{height - 4}" text-anchor="end">{_fmt(x1)}</text>'
-        f'<text x="{width // 2}" y="{height - 4}" text-anchor="middle">{label}</text></svg>'
-    )
-
-
-def _rank_text(r: dict[str, Any]) -> str:
-    step = f"step {r['step']}" if r["step"] is not None else f"{r['count']} records"
-    rate = f", {r['rate']:.1f}/s" if r["rate"] else ""
-    last = ", ".join(f"{html.escape(k)} {_fmt(v)}" for k, v in list(r["last"].items())[:4])
-    return f"{step}{rate}" + (f" · {last}" if last else "")
-
-
-def _title(snap: dict[str, Any]) -> str:
-    return (
-        f"<b>dask_ddp job {html.escape(snap['job'])}</b>: {html.escape(snap['state'])}, "
-        f"{len(snap['ranks'])} ranks, backend {html.escape(snap['backend'])}, "
-        f"{snap['records']} records, {snap['elapsed']:.1f} s"
-    )
-
-
-def _errors_html(snap: dict[str, Any]) -> str:
-    parts = [
-        f"<div style='color:#b00'>rank {r['rank']}: {html.escape(r['error'])}</div>"
-        for r in snap["ranks"]
-        if r["error"]
-    ]
-    if snap["error"]:
-        parts.append(
-            f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(snap['error'])}</pre>"
-        )
-    parts += [f"<div style='color:#a60'>{html.escape(n)}</div>" for n in snap["notes"]]
-    return "".join(parts)
-
-
-def _render_html(snap: dict[str, Any]) -> str:
-    """The whole view as static HTML: title, a row per rank, the curve, the errors."""
-    top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
-    rows = "".join(
-        f"<tr><td>{r['rank']}</td><td>{html.escape(r['worker'])}</td>"
-        f"<td>{html.escape(r['status'])}</td>"
-        f"<td><progress value='{r['step'] or r['count']}' max='{top}'></progress></td>"
-        f"<td>{_rank_text(r)}</td></tr>"
-        for r in snap["ranks"]
-    )
-    return (
-        f"<div>{_title(snap)}<table><tr><th>rank</th><th>worker</th><th>status</th>"
-        f"<th>progress</th><th>latest</th></tr>{rows}</table>"
-        f"{_svg_curve(snap['ranks'], snap['metric'])}{_errors_html(snap)}</div>"
-    )
-
-
-class _WidgetView:
-    """ipywidgets: one progress bar per rank, the curve and the errors."""
-
-    def __init__(self, world_size: int) -> None:
-        import ipywidgets as widgets
-
-        self._title = widgets.HTML()
-        self._bars = [
-            widgets.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
-            for r in range(world_size)
-        ]
-        self._labels = [widgets.HTML() for _ in range(world_size)]
-        self._plot = widgets.HTML()
-        self._errors = widgets.HTML()
-        rows = [widgets.HBox([b, t]) for b, t in zip(self._bars, self._labels, strict=True)]
-        self.widget = widgets.VBox([self._title, *rows, self._plot, self._errors])
-
-    def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
-        self.update(snap)
-        display(self.widget)
-
-    def update(self, snap: dict[str, Any]) -> None:
-        self._title.value = _title(snap)
-        top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
-        for bar, label, r in zip(self._bars, self._labels, snap["ranks"], strict=True):
-            bar.max = top
-            bar.value = min(top, r["step"] or r["count"])
-            bar.bar_style = (
-                "danger" if r["error"] else "success" if snap["state"] == "succeeded" else "info"
-            )
-            label.value = _rank_text(r)
-        plot = _svg_curve(snap["ranks"], snap["metric"])
-        if plot != self._plot.value:
-            self._plot.value = plot
-        self._errors.value = _errors_html(snap)
-
-
-class _HandleView:
-    """Without ipywidgets: the HTML view, replaced in place through a display handle."""
-
-    def __init__(self) -> None:
-        self._handle: Any = None
-
-    def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
-        from IPython.display import HTML
-
-        self._handle = display(HTML(_render_html(snap)), display_id=True)
-
-    def update(self, snap: dict[str, Any]) -> None:
-        from IPython.display import HTML
-
-        if self._handle is not None:
-            self._handle.update(HTML(_render_html(snap)))

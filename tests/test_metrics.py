@@ -15,7 +15,8 @@ from distributed import Client, Event, LocalCluster
 import dask_ddp
 from dask_ddp import events
 from dask_ddp.dispatch import _Attempt
-from dask_ddp.job import Job, _render_html, _WidgetView
+from dask_ddp.job import Job
+from dask_ddp.view import WidgetView, render_html
 
 
 def _burst(n: int) -> int:
@@ -271,7 +272,7 @@ def _slow_reports(n: int) -> int:
 def test_live_view_shows_progress_curve_and_errors(client: Client) -> None:
     pytest.importorskip("ipywidgets")
     job = dask_ddp.launch(client, _slow_reports, args=(200,))
-    view = _WidgetView(job.world_size)
+    view = WidgetView(job.world_size)
     job._views.append(view)  # as _ipython_display_ does, without a notebook
     with pytest.raises(dask_ddp.RankFailedError):
         job.result(timeout=120)
@@ -285,7 +286,7 @@ def test_live_view_shows_progress_curve_and_errors(client: Client) -> None:
     assert "<polyline" in view._plot.value and "loss" in view._plot.value
     assert "rank 1 gave up" in view._errors.value
     assert "step 199" in view._labels[0].value
-    page = _render_html(snap)
+    page = render_html(snap)
     assert "<svg" in page and "rank 1 gave up" in page and "<progress" in page
     assert "r0 step 199" in job._progress_line()
 

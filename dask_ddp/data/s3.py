@@ -23,6 +23,7 @@ What makes them fast and robust:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import logging
 import os
@@ -38,6 +39,7 @@ import fsspec.core
 from PIL import Image
 from torch.utils.data import Dataset
 
+from dask_ddp import _status
 from dask_ddp.data._errors import (
     CorruptSampleError,
     DataNotFoundError,
@@ -239,6 +241,7 @@ class FileDataset(Dataset):
         if root_url is not None:
             self.root = root_url
             root = fsspec.core.strip_protocol(root_url).rstrip("/")
+            _status.activity(f"{type(self).__name__}: listing {root_url}")
             entries = self._list(root)
         else:
             common = os.path.commonprefix(urls)  # noqa: RUF071 - URLs, not OS paths
@@ -249,14 +252,18 @@ class FileDataset(Dataset):
         self._sizes: list[int | None] = []  # these two only feed cache keys: kept with a cache
         self._tokens: list[str] = []
         self._index(root, entries)
-        logger.info(
-            "%s: %d samples under %s (%d files listed) in %.2f s",
-            type(self).__name__,
-            len(self._paths),
-            self.root,
-            len(entries),
-            time.perf_counter() - start,
+        _status.activity(
+            f"{type(self).__name__}: {len(self._paths)} samples under {self.root} "
+            f"({len(entries)} files listed) in {time.perf_counter() - start:.2f} s"
         )
+        self._fill_log: str | None = None
+        if self._cache is not None:
+            # One byte per sample fetched into the cache, appended by whichever process
+            # fetched it (DataLoader workers too): the rank reads the file's size to show
+            # how far the host's cache has filled.
+            digest = hashlib.sha256(f"{self._endpoint}|{self.root}".encode()).hexdigest()
+            self._fill_log = str(self._cache.directory / f".filled-{digest[:16]}")
+            _status.watch(self._cache_progress)
 
     # -- construction -------------------------------------------------------------------
 
@@ -391,6 +398,8 @@ class FileDataset(Dataset):
                 keys, sizes, lambda pos: self._fetch([paths[p] for p in pos])
             )
             self._stats["cache_hits"] += hits
+            if hits < len(indices) and self._fill_log is not None:
+                _count_fills(self._fill_log, len(indices) - hits)
         for path, result in zip(paths, results, strict=True):
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception):
@@ -476,6 +485,14 @@ class FileDataset(Dataset):
             return self._finish(j, obj)
 
     # -- names --------------------------------------------------------------------------
+
+    def _cache_progress(self) -> str | None:
+        """How far the host's cache has filled with this dataset (for the live view)."""
+        try:
+            filled = min(os.stat(self._fill_log).st_size, len(self))  # type: ignore[arg-type]
+        except OSError:
+            return None  # nothing fetched yet
+        return f"cache: {filled:,} of {len(self):,} samples of {self.root} on this host's disk"
 
     def _url(self, path: str) -> str:
         return path if self._protocol == "file" else f"{self._protocol}://{path}"
@@ -694,6 +711,18 @@ class S3ImageFolder(FileDataset):
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+
+def _count_fills(log: str, n: int) -> None:
+    """Append ``n`` bytes to ``log``: one write with O_APPEND, atomic between processes."""
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"." * n)
+        finally:
+            os.close(fd)
+    except OSError:  # progress only: never fail a read for it
+        logger.debug("could not count %d cache fills in %s", n, log, exc_info=True)
 
 
 async def _cat_concurrently(

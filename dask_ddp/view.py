@@ -1,0 +1,178 @@
+"""The job's live view on the client: HTML, an inline SVG curve, ipywidgets.
+
+Pure rendering: every function here takes a snapshot of the job (a dict built by
+:meth:`dask_ddp.Job._snapshot` on the watcher thread) and never touches the job itself.
+:class:`WidgetView` draws progress bars with ipywidgets; :class:`HandleView` replaces a
+static HTML display in place where ipywidgets is missing.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from typing import Any
+
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
+    """A small line chart of ``metric`` per rank, as inline SVG (no plotting library)."""
+    points = [p for r in ranks for p in r["curve"]]
+    if metric is None or len(points) < 2:
+        return ""
+    width, height, pad = 440, 150, 34
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+
+    def sx(x: float) -> float:
+        return pad + (x - x0) / (x1 - x0) * (width - pad - 8)
+
+    def sy(y: float) -> float:
+        return height - 18 - (y - y0) / (y1 - y0) * (height - 28)
+
+    lines = []
+    for r in ranks:
+        if len(r["curve"]) < 2:
+            continue
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in r["curve"])
+        color = _COLORS[r["rank"] % len(_COLORS)]
+        lines.append(
+            f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}">'
+            f"<title>rank {r['rank']}</title></polyline>"
+        )
+    label = html.escape(metric)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'style="font:10px sans-serif">'
+        f'<rect x="{pad}" y="10" width="{width - pad - 8}" height="{height - 28}" fill="none" '
+        f'stroke="#ccc"/>{"".join(lines)}'
+        f'<text x="2" y="14">{fmt(y1)}</text><text x="2" y="{height - 18}">{fmt(y0)}</text>'
+        f'<text x="{pad}" y="{height - 4}">step {fmt(x0)}</text>'
+        f'<text x="{width - 8}" y="{height - 4}" text-anchor="end">{fmt(x1)}</text>'
+        f'<text x="{width // 2}" y="{height - 4}" text-anchor="middle">{label}</text></svg>'
+    )
+
+
+_WAITING = {
+    "submitted": "waiting for its worker to start the task",
+    "queued": "waiting for its worker",
+    "joining": "waiting for the other ranks to join",
+    "running": "running, nothing reported yet",
+}
+
+
+def _rank_text(r: dict[str, Any]) -> str:
+    """The rank's latest step and metrics, or what it waits for; then what it is busy with."""
+    activity = html.escape(r.get("activity") or "")
+    if not r["count"]:
+        return activity or _WAITING.get(r["status"], "")
+    step = f"step {r['step']}" if r["step"] is not None else f"{r['count']} records"
+    rate = f", {r['rate']:.1f}/s" if r["rate"] else ""
+    last = ", ".join(f"{html.escape(k)} {fmt(v)}" for k, v in list(r["last"].items())[:4])
+    return f"{step}{rate}" + (f" · {last}" if last else "") + (f" — {activity}" if activity else "")
+
+
+def _title(snap: dict[str, Any]) -> str:
+    ranks = snap["ranks"]
+    state = html.escape(snap["state"])
+    started = sum(r["status"] not in ("submitted", "queued", "joining") for r in ranks)
+    if snap["state"] == "running" and started < len(ranks):
+        state = f"starting ({started} of {len(ranks)} ranks in the process group)"
+    return (
+        f"<b>dask_ddp job {html.escape(snap['job'])}</b>: {state}, "
+        f"{len(ranks)} ranks, backend {html.escape(snap['backend'])}, "
+        f"{snap['records']} records, {snap['elapsed']:.1f} s"
+    )
+
+
+def _errors_html(snap: dict[str, Any]) -> str:
+    parts = [
+        f"<div style='color:#b00'>rank {r['rank']}: {html.escape(r['error'])}</div>"
+        for r in snap["ranks"]
+        if r["error"]
+    ]
+    if snap["error"]:
+        parts.append(
+            f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(snap['error'])}</pre>"
+        )
+    parts += [f"<div style='color:#a60'>{html.escape(n)}</div>" for n in snap["notes"]]
+    return "".join(parts)
+
+
+def render_html(snap: dict[str, Any]) -> str:
+    """The whole view as static HTML: title, a row per rank, the curve, the errors."""
+    top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
+    rows = "".join(
+        f"<tr><td>{r['rank']}</td><td>{html.escape(r['worker'])}</td>"
+        f"<td>{html.escape(r['status'])}</td>"
+        f"<td><progress value='{r['step'] or r['count']}' max='{top}'></progress></td>"
+        f"<td>{_rank_text(r)}</td></tr>"
+        for r in snap["ranks"]
+    )
+    return (
+        f"<div>{_title(snap)}<table><tr><th>rank</th><th>worker</th><th>status</th>"
+        f"<th>progress</th><th>latest</th></tr>{rows}</table>"
+        f"{_svg_curve(snap['ranks'], snap['metric'])}{_errors_html(snap)}</div>"
+    )
+
+
+class WidgetView:
+    """ipywidgets: one progress bar per rank, the curve and the errors."""
+
+    def __init__(self, world_size: int) -> None:
+        import ipywidgets as widgets
+
+        self._title = widgets.HTML()
+        self._bars = [
+            widgets.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
+            for r in range(world_size)
+        ]
+        self._labels = [widgets.HTML() for _ in range(world_size)]
+        self._plot = widgets.HTML()
+        self._errors = widgets.HTML()
+        rows = [widgets.HBox([b, t]) for b, t in zip(self._bars, self._labels, strict=True)]
+        self.widget = widgets.VBox([self._title, *rows, self._plot, self._errors])
+
+    def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
+        self.update(snap)
+        display(self.widget)
+
+    def update(self, snap: dict[str, Any]) -> None:
+        self._title.value = _title(snap)
+        top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
+        for bar, label, r in zip(self._bars, self._labels, snap["ranks"], strict=True):
+            bar.max = top
+            bar.value = min(top, r["step"] or r["count"])
+            bar.bar_style = (
+                "danger" if r["error"] else "success" if snap["state"] == "succeeded" else "info"
+            )
+            label.value = _rank_text(r)
+        plot = _svg_curve(snap["ranks"], snap["metric"])
+        if plot != self._plot.value:
+            self._plot.value = plot
+        self._errors.value = _errors_html(snap)
+
+
+class HandleView:
+    """Without ipywidgets: the HTML view, replaced in place through a display handle."""
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+
+    def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
+        from IPython.display import HTML
+
+        self._handle = display(HTML(render_html(snap)), display_id=True)
+
+    def update(self, snap: dict[str, Any]) -> None:
+        from IPython.display import HTML
+
+        if self._handle is not None:
+            self._handle.update(HTML(render_html(snap)))
