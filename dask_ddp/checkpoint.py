@@ -32,7 +32,14 @@ _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 
 
 class UnsafeCheckpointError(DaskDDPError, pickle.UnpicklingError):
-    """A checkpoint holds objects that ``weights_only=True`` loading refuses."""
+    """A checkpoint holds objects that ``weights_only=True`` loading refuses.
+
+    Examples
+    --------
+    >>> print(UnsafeCheckpointError("s3://b/run1/checkpoint-000000000010.pt", "MyConfig"))
+    ... # doctest: +ELLIPSIS
+    checkpoint s3://b/run1/checkpoint-000000000010.pt holds objects that safe loading ...
+    """
 
     def __init__(self, url: str, cause: str) -> None:
         super().__init__(url, cause)
@@ -48,7 +55,13 @@ class UnsafeCheckpointError(DaskDDPError, pickle.UnpicklingError):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
-    """A checkpoint that has landed: where, which step, how many bytes, and when."""
+    """A checkpoint that has landed: where, which step, how many bytes, and when.
+
+    Examples
+    --------
+    >>> job.checkpoints[-1]  # doctest: +SKIP
+    CheckpointInfo(url='s3://bucket/run1/checkpoint-000000000100.pt', step=100, ...)
+    """
 
     url: str
     step: int

@@ -30,11 +30,25 @@ __all__ = [
 
 
 class DaskDDPError(Exception):
-    """Base class of every error dask_ddp raises."""
+    """Base class of every error dask_ddp raises.
+
+    Examples
+    --------
+    >>> try:                                   # doctest: +SKIP
+    ...     dask_ddp.launch(client, train).result()
+    ... except dask_ddp.DaskDDPError as err:   # any of dask_ddp's own errors
+    ...     print(err)
+    """
 
 
 class NoWorkersError(DaskDDPError, RuntimeError):
-    """The cluster has no workers to place ranks on."""
+    """The cluster has no workers to place ranks on.
+
+    Examples
+    --------
+    >>> print(NoWorkersError("tcp://127.0.0.1:8786"))  # doctest: +ELLIPSIS
+    the Dask cluster at tcp://127.0.0.1:8786 has no workers, so no rank can start. ...
+    """
 
     def __init__(self, scheduler: str) -> None:
         super().__init__(scheduler)
@@ -49,7 +63,13 @@ class NoWorkersError(DaskDDPError, RuntimeError):
 
 
 class PlacementError(DaskDDPError, ValueError):
-    """The ``workers=`` argument cannot be satisfied by this cluster."""
+    """The ``workers=`` argument cannot be satisfied by this cluster.
+
+    Examples
+    --------
+    >>> dask_ddp.launch(client, train, workers=64)  # doctest: +SKIP
+    PlacementError: workers=64 but the cluster has 2 workers ...
+    """
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -60,7 +80,14 @@ class PlacementError(DaskDDPError, ValueError):
 
 
 class NotPicklableError(DaskDDPError, TypeError):
-    """The function or its arguments cannot be sent to the workers."""
+    """The function or its arguments cannot be sent to the workers.
+
+    Examples
+    --------
+    >>> print(NotPicklableError("fn", "cannot pickle '_thread.lock' object"))
+    ... # doctest: +ELLIPSIS
+    fn cannot be pickled to send it to the workers: cannot pickle '_thread.lock' object. ...
+    """
 
     def __init__(self, what: str, cause: str) -> None:
         super().__init__(what, cause)
@@ -75,7 +102,13 @@ class NotPicklableError(DaskDDPError, TypeError):
 
 
 class BackendUnavailableError(DaskDDPError, ValueError):
-    """The requested torch.distributed backend cannot run on the chosen workers."""
+    """The requested torch.distributed backend cannot run on the chosen workers.
+
+    Examples
+    --------
+    >>> dask_ddp.launch(client, train, backend="nccl")  # doctest: +SKIP
+    BackendUnavailableError: backend='nccl' cannot run on worker tcp://...: it has no GPU. ...
+    """
 
     def __init__(self, backend: str, worker: str, reason: str, fix: str) -> None:
         super().__init__(backend, worker, reason, fix)
@@ -89,7 +122,14 @@ class BackendUnavailableError(DaskDDPError, ValueError):
 
 
 class WorkerBusyError(DaskDDPError, RuntimeError):
-    """A worker process stayed busy with another job's rank for the whole rendezvous timeout."""
+    """A worker process stayed busy with another job's rank for the whole rendezvous timeout.
+
+    Examples
+    --------
+    >>> print(WorkerBusyError("tcp://10.0.0.7:40311", "dask-ddp-3f2a-rank-0"))
+    ... # doctest: +ELLIPSIS
+    worker tcp://10.0.0.7:40311 is still running another dask_ddp rank (dask-ddp-3f2a-rank-0); ...
+    """
 
     def __init__(self, worker: str, other_key: str) -> None:
         super().__init__(worker, other_key)
@@ -104,7 +144,14 @@ class WorkerBusyError(DaskDDPError, RuntimeError):
 
 
 class RendezvousTimeoutError(DaskDDPError, TimeoutError):
-    """Not every rank joined the process group in time."""
+    """Not every rank joined the process group in time.
+
+    Examples
+    --------
+    >>> err = RendezvousTimeoutError(1, "tcp://10.0.0.7:40311", "k", 60, "only 1 of 2 ranks joined")
+    >>> err.rank, isinstance(err, TimeoutError)
+    (1, True)
+    """
 
     def __init__(self, rank: int, worker: str, key: str, timeout: float, cause: str) -> None:
         super().__init__(rank, worker, key, timeout, cause)
@@ -125,6 +172,15 @@ class RankFailedError(DaskDDPError):
 
     The rank's own exception is chained as ``__cause__`` and its traceback, as the rank saw
     it, is in ``rank_traceback``.
+
+    Examples
+    --------
+    >>> try:                                       # doctest: +SKIP
+    ...     job.result()
+    ... except dask_ddp.RankFailedError as err:
+    ...     print(err.rank, err.worker)            # where it happened
+    ...     print(err.rank_traceback)              # the rank's own traceback
+    ...     original = err.__cause__               # e.g. the ValueError it raised
     """
 
     def __init__(
@@ -145,7 +201,16 @@ class RankFailedError(DaskDDPError):
 
 
 class WorkerLostError(DaskDDPError):
-    """A rank's worker left the cluster while the rank ran. Raised on the client."""
+    """A rank's worker left the cluster while the rank ran. Raised on the client.
+
+    With ``max_restarts=N`` the job restarts instead (from the last checkpoint).
+
+    Examples
+    --------
+    >>> print(WorkerLostError(1, "tcp://10.0.0.7:40311", "dask-ddp-3f2a-rank-1"))
+    ... # doctest: +ELLIPSIS
+    rank 1 was lost: its worker tcp://10.0.0.7:40311 left the cluster while it ran task ...
+    """
 
     def __init__(self, rank: int, worker: str, key: str) -> None:
         super().__init__(rank, worker, key)
@@ -159,7 +224,13 @@ class WorkerLostError(DaskDDPError):
 
 
 class PeerFailedError(DaskDDPError):
-    """Raised on a rank that stopped because another rank failed first."""
+    """Raised on a rank that stopped because another rank failed first.
+
+    Examples
+    --------
+    >>> print(PeerFailedError(0, 1, "ValueError: bad batch"))  # doctest: +ELLIPSIS
+    rank 0 stopped because rank 1 failed first (ValueError: bad batch); ...
+    """
 
     def __init__(self, rank: int, failed_rank: int, cause: str) -> None:
         super().__init__(rank, failed_rank, cause)
@@ -184,11 +255,26 @@ class RetryableError(DaskDDPError):
     With ``launch(..., max_restarts=N)``, a job whose rank raises it is placed again and
     the training function runs again, ``get_context().attempt`` incremented. Lost workers
     are always retried that way.
+
+    Examples
+    --------
+    >>> def train():                                         # doctest: +SKIP
+    ...     try:
+    ...         batch = fetch_from_feature_store()
+    ...     except ConnectionError as err:
+    ...         raise dask_ddp.RetryableError("feature store unreachable") from err
+    >>> dask_ddp.launch(client, train, max_restarts=2)      # doctest: +SKIP
     """
 
 
 class CheckpointDirMissingError(DaskDDPError, RuntimeError):
-    """``save_checkpoint()`` was called in a job launched without ``checkpoint_dir``."""
+    """``save_checkpoint()`` was called in a job launched without ``checkpoint_dir``.
+
+    Examples
+    --------
+    >>> print(CheckpointDirMissingError(0))  # doctest: +ELLIPSIS
+    save_checkpoint() on rank 0: this job has no checkpoint directory. ...
+    """
 
     def __init__(self, rank: int) -> None:
         super().__init__(rank)
@@ -203,7 +289,13 @@ class CheckpointDirMissingError(DaskDDPError, RuntimeError):
 
 
 class RankAbortedError(DaskDDPError):
-    """Raised inside a rank that the client stopped (cancel, or another rank failed)."""
+    """Raised inside a rank that the client stopped (cancel, or another rank failed).
+
+    Examples
+    --------
+    >>> print(RankAbortedError(1, "3f2a", "cancelled by the user"))
+    rank 1 of job 3f2a was stopped: cancelled by the user
+    """
 
     def __init__(self, rank: int, job: str, reason: str) -> None:
         super().__init__(rank, job, reason)
@@ -214,7 +306,13 @@ class RankAbortedError(DaskDDPError):
 
 
 class JobCancelledError(DaskDDPError):
-    """``Job.result()`` was called on a job that was cancelled."""
+    """``Job.result()`` was called on a job that was cancelled.
+
+    Examples
+    --------
+    >>> job.cancel(); job.result()  # doctest: +SKIP
+    JobCancelledError: job 3f2a was cancelled; launch it again to get a result
+    """
 
     def __init__(self, job: str) -> None:
         super().__init__(job)
@@ -225,7 +323,15 @@ class JobCancelledError(DaskDDPError):
 
 
 class NotInRankError(DaskDDPError, RuntimeError):
-    """A rank-only function was called outside a dask_ddp rank."""
+    """A rank-only function was called outside a dask_ddp rank.
+
+    Examples
+    --------
+    >>> import dask_ddp
+    >>> dask_ddp.get_context()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    dask_ddp.errors.NotInRankError: get_context() works only inside a function started by ...
+    """
 
     def __init__(self, function: str) -> None:
         super().__init__(function)
@@ -239,7 +345,13 @@ class NotInRankError(DaskDDPError, RuntimeError):
 
 
 class ChannelError(DaskDDPError, RuntimeError):
-    """A rank could not send its messages (``report()``, ``submit_result()``) to the client."""
+    """A rank could not send its messages (``report()``, ``submit_result()``) to the client.
+
+    Examples
+    --------
+    >>> print(ChannelError(0, "3f2a", "the worker's connection closed"))
+    rank 0 of job 3f2a could not send to the client: the worker's connection closed
+    """
 
     def __init__(self, rank: int, job: str, cause: str) -> None:
         super().__init__(rank, job, cause)
@@ -250,7 +362,14 @@ class ChannelError(DaskDDPError, RuntimeError):
 
 
 class UnsafeResultPathError(DaskDDPError, ValueError):
-    """A result path would land outside the directory results are written to."""
+    """A result path would land outside the directory results are written to.
+
+    Examples
+    --------
+    >>> print(UnsafeResultPathError("../x.json", "out", "it climbs out with '..'"))
+    ... # doctest: +ELLIPSIS
+    refusing result path '../x.json': it climbs out with '..', so it would not land under 'out'. ...
+    """
 
     def __init__(self, path: str, prefix: str | None, reason: str) -> None:
         super().__init__(path, prefix, reason)
@@ -265,7 +384,13 @@ class UnsafeResultPathError(DaskDDPError, ValueError):
 
 
 class JobNotFoundError(DaskDDPError, ValueError):
-    """No dask_ddp job in this process owns the given futures."""
+    """No dask_ddp job in this process owns the given futures.
+
+    Examples
+    --------
+    >>> print(JobNotFoundError(["k1"]))  # doctest: +ELLIPSIS
+    no dask_ddp job started from this client owns the futures [k1]. ...
+    """
 
     def __init__(self, keys: list[str]) -> None:
         super().__init__(keys)

@@ -57,7 +57,15 @@ _CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinn
 
 
 class JobState(str, enum.Enum):
-    """RUNNING -> SUCCEEDED | FAILED | CANCELLED; RUNNING -> RESTARTING -> RUNNING."""
+    """RUNNING -> SUCCEEDED | FAILED | CANCELLED; RUNNING -> RESTARTING -> RUNNING.
+
+    Examples
+    --------
+    >>> JobState("succeeded") is JobState.SUCCEEDED
+    True
+    >>> job.state  # doctest: +SKIP
+    <JobState.RUNNING: 'running'>
+    """
 
     RUNNING = "running"
     RESTARTING = "restarting"
