@@ -44,8 +44,8 @@ def test_listing_and_cache_filling_reach_the_view(
     # Rank 0's DataLoader workers fill the cache; rank 1 shares the host's cache and
     # shows the same progress.
     with job._cond:
-        assert job._cond.wait_for(
-            lambda: activity(job._snapshot()) == [done, done], timeout=60
-        ), activity(job._snapshot())
+        assert job._cond.wait_for(lambda: activity(job._snapshot()) == [done, done], timeout=60), (
+            activity(job._snapshot())
+        )
     go.set()
     assert job.result(timeout=60) == [image_count, image_count]
