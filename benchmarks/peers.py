@@ -11,8 +11,10 @@ prints:
   a local Ray instance; torchrun has no cluster and starts new processes every time). The
   Dask tools also run ``--launches`` 1-step jobs per round, for more samples where they are
   cheap; "call -> in fn" is the part until every rank is inside the function;
-- steady steps per second, timed after ``--warmup-steps`` untimed steps (median over ranks),
-  the CPU time per step of a rank's whole process, and the threads each rank trained with;
+- steady steps per second, timed after ``--warmup-steps`` untimed steps (median over ranks):
+  over the whole timed window, and the median rate of its 20-step blocks (which leaves out
+  the pauses other processes cause on a shared machine); the CPU time per step of a rank's
+  whole process, and the threads each rank trained with;
 - total wall time for ``--warmup-steps + --steps`` steps: call to results back;
 - cost per metric report on the rank, dask_ddp ``report()`` against Ray's
   ``ray.train.report``: a loop of reports without training, timing each call. "Back to
@@ -21,11 +23,13 @@ prints:
   each call long enough for the channel to be idle (5 ms for dask_ddp; 2.5 s for Ray, whose
   controller takes one report per 2 s poll), Ray's best case. Delivery: how many of the
   records the driver holds afterwards;
-- peak memory of the driver process (Linux ``VmHWM``), in a fresh process per tool that
-  starts its own cluster and runs a ``--cold-steps`` job ("cold"; the same process gives
-  the time from starting the driver to the first step). It includes what runs inside the
-  driver: Dask's scheduler and client, Ray's core worker, torchrun's agent and store;
-  not the other processes (Dask workers and nannies; Ray's GCS, raylet and agents);
+- peak memory of the driver process (Linux ``VmHWM``, read just before it exits), in a
+  fresh process per tool that starts its own cluster and runs a ``--cold-steps`` job
+  ("cold"; the same process gives the time from starting the driver to the first step).
+  It includes what runs inside the driver: Dask's scheduler and client, Ray's core worker;
+  for torchrun the driver runs torchrun's ``main()`` itself, so it is the ``torchrun``
+  process (agent and store). Not the other processes (Dask workers and nannies; Ray's GCS,
+  raylet and agents; the ranks). Each driver imports torch, as a training script does;
 - whether the final parameters match dask_ddp's (``torch.allclose`` on every tensor of the
   ``state_dict``; the largest absolute difference is printed);
 - a worker's death: the last rank SIGKILLs its own process at step ``--warmup-steps``, and
@@ -33,9 +37,21 @@ prints:
   is timed until it raises (at most ``--failure-timeout``), with what it raised, and then
   how long until the tool runs a job again (and what that took).
 
-CPU (no GPU visible): 2 ranks, gloo, one thread per rank as each tool sets it. GPU (when
-``torch.cuda.is_available()``, or ``--device cuda``): 1 rank on ``cuda:0``, nccl, AMP
-(float16 autocast and ``GradScaler``); the GPU's name is printed.
+Scenarios. CPU (no GPU visible): 2 ranks, gloo. GPU (when ``torch.cuda.is_available()``,
+or ``--device cuda``): 1 rank on ``cuda:0``, nccl, AMP (float16 autocast and
+``GradScaler``); the GPU's name is printed. One run measures one scenario, and it says at
+the start and in the summary which one, and why the other is skipped. Every tool trains
+with the same torch threads per rank (``--threads``; by default cores // ranks, 1 on a
+2-core machine): :func:`train` sets them, and the summary prints what each tool had set
+and what it trained with.
+
+Environment. Starting a Dask ``LocalCluster`` puts its nanny's pre-spawn variables
+(``MALLOC_TRIM_THRESHOLD_=65536``, ``OMP_NUM_THREADS=1``, ...) into this process's own
+environment, and processes started from it afterwards would inherit them (with
+``MALLOC_TRIM_THRESHOLD_`` a CPU rank trains at about half speed). So the peers run as
+their users would run them: Ray is started before the LocalCluster, and torchrun and the
+cold drivers get this process's environment from before it. The summary prints the
+variable as each training function saw it.
 
 The tools run alternately (dask_ddp, dask-pytorch-ddp, Ray, torchrun, then the report
 loops, round after round) after ``--warmup-runs`` rounds of 1-step jobs that are not
@@ -46,7 +62,7 @@ cancel; the targets use it) and the ratio of medians. Ray runs as
 127.0.0.1; Dask's cluster listens on 127.0.0.1; gloo binds to ``lo``; nothing else is
 contacted. Optional dependencies: ``pip install -e ".[bench]" -c constraints.txt``::
 
-    python benchmarks/peers.py                 # 5 to 7 minutes on 2 cores
+    python benchmarks/peers.py                 # about 6.5 minutes on 2 cores
     python benchmarks/peers.py --runs 1 --warmup-runs 0 --no-failure --cold-runs 0  # a look
 """
 
@@ -54,11 +70,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -71,7 +87,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _common import command_line, export_path, median, small_cnn, torchrun_command, versions
+from _common import command_line, median, small_cnn, torchrun_command, versions
 
 logger = logging.getLogger("peers")
 TOOLS = ("dask_ddp", "dask-pytorch-ddp", "ray", "torchrun")
@@ -79,6 +95,7 @@ REPORTERS = ("dask_ddp", "ray")
 HOST = "127.0.0.1"
 PREDECESSOR_PORT = 23456  # dask-pytorch-ddp 0.2.2's fixed rendezvous port
 SAMPLES = 4096  # generated images; each rank sees half of them per epoch
+BLOCK = 20  # steps per block for the median block rate
 BATCH = 32  # per rank
 RAY_GAP = 2.5  # s between spaced ray.train.report calls: Ray Train polls a worker every 2 s
 DASK_GAP = 0.005  # s between spaced dask_ddp.report calls
@@ -102,6 +119,12 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     that step, after writing the time to ``killed.json``.
     """
     entered = time.time()
+    # What the tool gave this process, before the function sets the common thread count:
+    # every tool trains with cfg["threads"] torch threads per rank.
+    threads_given = torch.get_num_threads()
+    malloc_env = os.environ.get("MALLOC_TRIM_THRESHOLD_")
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
@@ -131,6 +154,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     total = cfg["warmup"] + cfg["steps"]
     step = epoch = 0
     first = start = cpu = 0.0
+    marks: list[float] = []  # perf_counter at the start of timing and after every BLOCK steps
     loss = torch.zeros(())
     while step < total:
         sampler.set_epoch(epoch)
@@ -143,6 +167,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
                 if cuda:
                     torch.cuda.synchronize()
                 start, cpu = time.perf_counter(), time.process_time()
+                marks.append(start)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.float16, enabled=cfg["amp"]):
@@ -155,6 +180,10 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
                 if cuda:
                     torch.cuda.synchronize()
                 first = time.time()
+            if step > cfg["warmup"] and (step - cfg["warmup"]) % BLOCK == 0:
+                if cuda:
+                    torch.cuda.synchronize()
+                marks.append(time.perf_counter())
             if step == total:
                 break
         epoch += 1
@@ -168,8 +197,12 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         "ddp_ready": ddp_ready,
         "first_step": first,
         "steps_per_s": cfg["steps"] / elapsed if cfg["steps"] else float("nan"),
+        # the steady rate without the pauses other processes cause on a shared machine
+        "block_steps_per_s": median(BLOCK / (b - a) for a, b in itertools.pairwise(marks)),
         "cpu_per_step": cpu / cfg["steps"] if cfg["steps"] else float("nan"),  # whole process
         "threads": torch.get_num_threads(),
+        "threads_given": threads_given,
+        "malloc_env": malloc_env,
         "loss": loss.item(),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
     }
@@ -229,6 +262,14 @@ class Bench:
     world: int
     backend: str
     cuda: bool
+    threads: int = 0  # torch threads per rank for every tool; 0: leave what the tool set
+    # The environment processes started for the peers get (torchrun, cold drivers): this
+    # process's, taken before a LocalCluster starts in it. Dask's nanny puts its workers'
+    # pre-spawn variables (MALLOC_TRIM_THRESHOLD_=65536, OMP/MKL/OPENBLAS_NUM_THREADS=1)
+    # into the environment of the process that starts it, and a process started afterwards
+    # would inherit them: torchrun's ranks then train at half speed, unlike a user's.
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    torchrun_in_process: bool = False  # a cold driver is the torchrun process itself
     client: Any = None  # distributed.Client of a LocalCluster with ``world`` workers
     ray_up: bool = False
     tools: list[str] = field(default_factory=list)
@@ -241,7 +282,7 @@ class Bench:
     def train_cfg(self, steps: int, warmup: int, kill_at: int = -1) -> dict[str, Any]:
         return {
             "steps": steps, "warmup": warmup, "backend": self.backend, "cuda": self.cuda,
-            "amp": self.cuda, "kill_at": kill_at,
+            "amp": self.cuda, "kill_at": kill_at, "threads": self.threads,
         }  # fmt: skip
 
 
@@ -275,18 +316,34 @@ def run_ray(b: Bench, fn: Callable, cfg: dict[str, Any]) -> Any:
 
 
 def run_torchrun(b: Bench, fn: Callable, cfg: dict[str, Any], timeout: float | None = None):
+    """``torchrun --standalone --nproc-per-node=<world> peers.py --child cfg.json``: in a new
+    process, or in this one for a cold driver (``b.torchrun_in_process``), which then is the
+    ``torchrun`` process a user starts (its agent and store)."""
     if fn is not train:
         raise ValueError("torchrun runs train() only")
     cfg_path = os.path.join(cfg["out"], "cfg.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
+    command = torchrun_command(os.path.abspath(__file__), b.world, ["--child", cfg_path])
+    if b.torchrun_in_process:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun_main
+
+        try:
+            torchrun_main(command[3:])  # the arguments after "python -m torch.distributed.run"
+        except ChildFailedError as e:
+            if cfg["kill_at"] >= 0 or not _all_written(cfg["out"], b.world):
+                raise RuntimeError(f"torchrun failed: {_describe(e)}") from e
+            print(f"note: a torchrun child failed after every rank wrote its results: {e}")
+        return None
     proc = subprocess.run(
-        torchrun_command(os.path.abspath(__file__), b.world, ["--child", cfg_path]),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
+        command, capture_output=True, text=True, timeout=timeout, env=b.env
+    )  # fmt: skip
+    if proc.returncode != 0 and cfg["kill_at"] < 0 and _all_written(cfg["out"], b.world):
+        # Seen here: a child aborts at exit ("terminate called without an active exception")
+        # after writing its results; the timings are whole, so they are kept.
+        print(f"note: torchrun exited with {proc.returncode} after every rank wrote its results")
+    elif proc.returncode != 0:
         # torchrun's summary names the first rank to fail ("Root Cause"); show that part
         cause = proc.stderr.rpartition("Root Cause")[2]
         rank = re.search(r"rank\s*:\s*(\d+)", cause)
@@ -298,6 +355,11 @@ def run_torchrun(b: Bench, fn: Callable, cfg: dict[str, Any], timeout: float | N
         )
         raise RuntimeError(f"torchrun exited with {proc.returncode}; root cause: {summary}")
     return proc
+
+
+def _all_written(out: str, world: int) -> bool:
+    names = [f"rank{r}.json" for r in range(world)] + ["state.pt"]
+    return all(os.path.exists(os.path.join(out, n)) for n in names)
 
 
 def _wait_for_port(b: Bench, port: int, timeout: float = 120.0) -> None:
@@ -366,9 +428,12 @@ def train_once(b: Bench, tool: str, steps: int, warmup: int) -> dict[str, Any]:
         "first_step_at": max(r["first_step"] for r in ranks),
         "first_step": max(r["first_step"] for r in ranks) - t0,
         "steps_per_s": median(r["steps_per_s"] for r in ranks),
+        "block_steps_per_s": median(r["block_steps_per_s"] for r in ranks),
         "cpu_per_step": median(r["cpu_per_step"] for r in ranks),
         "total": done - t0,
         "threads": ranks[0]["threads"],
+        "threads_given": ranks[0]["threads_given"],
+        "malloc_env": ranks[0]["malloc_env"],
         "device": ranks[0]["device"],
         "state": torch.load(os.path.join(cfg["out"], "state.pt"), weights_only=True),
     }
@@ -398,6 +463,7 @@ def report_once(b: Bench, tool: str, back: int, spaced: int) -> dict[str, Any]:
     return {
         # steady state only: Ray's first two calls fill its one-slot queue without waiting
         "back": [t for r in ranks for t in r["back"][2:]],
+        "first two": [t for r in ranks for t in r["back"][:2]],
         "spaced": [t for r in ranks for t in r["spaced"]],
         "kept": kept,
     }
@@ -511,8 +577,14 @@ def _recover(b: Bench, tool: str, timeout: float, stale: list) -> str:
         return f"ran {time.time() - start:.1f} s later, no cleanup needed"
     if b.client is None or tool not in ("dask_ddp", "dask-pytorch-ddp"):
         return f"not recovered: {outcome}"
-    b.client.cancel(stale)
-    b.client.restart(wait_for_workers=True)
+
+    def clean() -> None:
+        b.client.cancel(stale)
+        b.client.restart(timeout=timeout, wait_for_workers=True)
+
+    cleaned, _ = _timed(clean, timeout + 30)
+    if cleaned != "returned without error":
+        return f"not recovered: {outcome}; client.restart(): {cleaned}"
     again, _ = _timed(lambda: train_once(b, tool, 1, 0), timeout)
     if again != "returned without error":
         return f"not recovered: {outcome}; after client.restart(): {again}"
@@ -558,38 +630,46 @@ def _cluster(b: Bench, tool: str) -> Iterator[None]:
 
 def driver_main(tool: str, spec_path: str) -> None:
     """A cold driver: start ``tool``'s cluster in this fresh process, run one job, print
-    one ``RESULT {json}`` line with the times and this process's peak RSS."""
+    one ``RESULT {json}`` line with the times and this process's peak RSS. A torchrun
+    driver runs torchrun's ``main()`` in this process, as the ``torchrun`` command does."""
     with open(spec_path) as f:
         spec = json.load(f)
-    b = Bench(tmp=spec["tmp"], world=spec["world"], backend=spec["backend"], cuda=spec["cuda"])
+    b = Bench(
+        tmp=spec["tmp"], world=spec["world"], backend=spec["backend"], cuda=spec["cuda"],
+        threads=spec["threads"], torchrun_in_process=True,
+    )  # fmt: skip
     t = time.time()
     with _cluster(b, tool):
         up = time.time() - t
         result = train_once(b, tool, spec["steps"], spec["warmup"])
     torch.save(result.pop("state"), os.path.join(spec["tmp"], f"cold-{tool}.pt"))
     result["cluster_up"] = up
-    result["maxrss_mb"] = _peak_rss_mb()
+    result["maxrss_mb"] = _peak_rss_mb()  # before this interpreter's exit (see below)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def _peak_rss_mb() -> float:
-    """This process's peak resident set size, in MiB.
+    """This process's peak resident set size so far, in MiB; 0 where unknown.
 
-    Linux's ``VmHWM``: the high-water mark of this program's own memory. ``ru_maxrss`` is not
-    used because it survives ``fork`` and ``execve``: a driver started from this (large)
-    benchmark process would report the benchmark's size.
+    Linux's ``VmHWM``: the high-water mark of this program's own memory (``ru_maxrss`` is
+    not used: it survives ``fork`` and ``execve``, so a driver started from this large
+    benchmark process would report the benchmark's size). Read before the interpreter
+    exits: a process that imported torch grows by about 110 MiB while it shuts down, the
+    same for every tool. Other systems have no ``/proc``: the column then reads 0.
     """
     with contextlib.suppress(OSError), open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # no /proc: not Linux
-    return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024
+    return 0.0
 
 
 def cold_once(b: Bench, tool: str, steps: int, warmup: int) -> dict[str, Any]:
     """Run a cold driver for ``tool``; add the time from starting it to the first step."""
-    spec = {"tmp": b.tmp, "world": b.world, "backend": b.backend, "cuda": b.cuda}
+    spec = {
+        "tmp": b.tmp, "world": b.world, "backend": b.backend, "cuda": b.cuda,
+        "threads": b.threads,
+    }  # fmt: skip
     spec_path = os.path.join(b.tmp, f"cold-{tool}.json")
     with open(spec_path, "w") as f:
         json.dump({**spec, "steps": steps, "warmup": warmup}, f)
@@ -599,6 +679,7 @@ def cold_once(b: Bench, tool: str, steps: int, warmup: int) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=300,
+        env=b.env,  # as a user's shell would start it: without the nanny's variables
     )
     done = time.time()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -654,7 +735,7 @@ def _available(wanted: list[str]) -> list[str]:
 
 
 def _environment() -> None:
-    """Loopback only, no usage stats, and ``_common`` importable in every process."""
+    """Loopback only, no usage stats, and ``_common`` sent with the functions that use it."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     # Ray turns an explicit 127.0.0.1 into the host's routable address on Linux unless it
     # is told that this is a single-machine instance; then every Ray process listens on
@@ -662,7 +743,18 @@ def _environment() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    export_path()
+    # train() uses _common (small_cnn, median). Pickled by value, it reaches Ray's workers
+    # without this folder on their PYTHONPATH: a folder there shadows the standard library
+    # for every process started with it (a benchmarks/collections.py did, at start-up).
+    # Dask's workers import it anyway (they inherit sys.path); torchrun runs this file.
+    import _common
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(_common)
+    with contextlib.suppress(ImportError):
+        from ray import cloudpickle as ray_cloudpickle
+
+        ray_cloudpickle.register_pickle_by_value(_common)
 
 
 def _warm_phase(b: Bench, res: Results, args: argparse.Namespace, began: float) -> None:
@@ -692,8 +784,8 @@ def _warm_phase(b: Bench, res: Results, args: argparse.Namespace, began: float) 
                 result = report_once(b, tool, args.ray_report_calls, spaced)
             res.kept[tool] = result.pop("kept")
             if counted:
-                res.reports[tool]["back"] += result["back"]
-                res.reports[tool]["spaced"] += result["spaced"]
+                for key, values in res.reports[tool].items():
+                    values += result[key]
         print(
             f"round {i + 1}/{args.warmup_runs + args.runs} "
             f"({'counted' if counted else 'warm-up'}) done at {time.time() - began:.0f} s",
@@ -704,11 +796,11 @@ def _warm_phase(b: Bench, res: Results, args: argparse.Namespace, began: float) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--runs", type=int, default=3, help="counted rounds (medians)")
+    add("--runs", type=int, default=4, help="counted rounds (medians)")
     add("--warmup-runs", type=int, default=1, help="rounds of 1-step jobs, not counted")
-    add("--steps", type=int, default=100, help="timed steps per job")
+    add("--steps", type=int, default=200, help="timed steps per job")
     add("--warmup-steps", type=int, default=10, help="untimed steps before them")
-    add("--launches", type=int, default=4,
+    add("--launches", type=int, default=8,
         help="extra 1-step jobs per round for the Dask tools (time to first step)")  # fmt: skip
     add("--report-calls", type=int, default=2000, help="dask_ddp report() calls per loop")
     add("--ray-report-calls", type=int, default=4,
@@ -720,7 +812,9 @@ def main() -> None:
     add("--failure-timeout", type=float, default=60.0, help="s to wait for an error")
     add("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ", ".join(TOOLS))
     add("--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="auto: cuda when torch sees a GPU")  # fmt: skip
+        help="auto: the GPU scenario when torch sees a GPU, else the CPU one")  # fmt: skip
+    add("--threads", type=int, default=0,
+        help="torch threads per rank, the same for every tool (0: cores // ranks)")  # fmt: skip
     add("--child", help=argparse.SUPPRESS)
     add("--driver", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -737,12 +831,21 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU")
     world, backend = (1, "nccl") if cuda else (2, "gloo")
+    print(_scenario_note(args.device, cuda), flush=True)
+    threads = args.threads or max(1, _cores() // world)
     res = Results(tools=_available([t for t in args.tools.split(",") if t]))
-    res.reports = {t: {"back": [], "spaced": []} for t in REPORTERS if t in res.tools}
+    res.reports = {
+        t: {"back": [], "spaced": [], "first two": []} for t in REPORTERS if t in res.tools
+    }
     with tempfile.TemporaryDirectory(prefix="dask-ddp-peers-") as tmp:
-        b = Bench(tmp=tmp, world=world, backend=backend, cuda=cuda, tools=res.tools)
+        # Bench keeps this process's environment from before any cluster starts (Bench.env)
+        b = Bench(
+            tmp=tmp, world=world, backend=backend, cuda=cuda, threads=threads, tools=res.tools
+        )
         with contextlib.ExitStack() as stack:
-            for name, tool in (("LocalCluster", "dask_ddp"), ("ray.init", "ray")):
+            # Ray first: ray.init starts the raylet that starts every Ray worker, and it must
+            # not inherit what a LocalCluster puts into this process's environment.
+            for name, tool in (("ray.init", "ray"), ("LocalCluster", "dask_ddp")):
                 if tool in res.tools:
                     t = time.time()
                     stack.enter_context(_cluster(b, tool))
@@ -764,6 +867,28 @@ def main() -> None:
     print(f"finished in {time.time() - began:.0f} s")
 
 
+def _cores() -> int:
+    """CPU cores this process may use."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _scenario_note(device: str, cuda: bool) -> str:
+    """Which scenario runs, and why the other one does not."""
+    gpu = "GPU scenario (1 rank on cuda:0, nccl, AMP float16)"
+    cpu = f"CPU scenario (2 ranks, gloo, {_cores()} cores)"
+    if cuda:
+        return f"running the {gpu}; the CPU scenario: --device cpu"
+    if device == "cpu":
+        return f"running the {cpu} (--device cpu); the GPU scenario is not run"
+    return (
+        f"running the {cpu}; the {gpu} is SKIPPED: no GPU visible "
+        f"(torch.cuda.is_available() is False; torch {torch.__version__}, "
+        f"built with CUDA {torch.version.cuda})"
+    )
+
+
 # -- the printout ---------------------------------------------------------------------------
 def _t(seconds: float) -> str:
     """A duration with a readable unit.
@@ -778,6 +903,24 @@ def _t(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1e3:.1f} ms"
     return f"{seconds:.2f} s"
+
+
+def _threads(d: dict[str, list]) -> str:
+    """``given->used`` torch threads, or ``a,b->c`` where runs differed.
+
+    >>> _threads({"threads_given": [1, 1], "threads": [1, 1]})
+    '1->1'
+    """
+    return f"{_values(d['threads_given'])}->{_values(d['threads'])}"
+
+
+def _values(values: list) -> str:
+    """The distinct values of a list, in order, ``-`` for None.
+
+    >>> _values([None, None]), _values(["65536", None])
+    ('-', '65536,-')
+    """
+    return ",".join(dict.fromkeys("-" if v is None else str(v) for v in values))
 
 
 def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
@@ -798,9 +941,10 @@ def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
     scenario = (
         f"GPU: 1 rank on cuda:0 ({', '.join(devices)}), nccl, AMP float16"
         if cuda
-        else "CPU: 2 ranks, gloo, no GPU visible"
+        else f"CPU: 2 ranks, gloo, device {', '.join(devices)}"
     )
     print(f"\n{command_line()}")
+    print(_scenario_note(args.device, cuda))
     print(versions("dask", "distributed", "dask-ddp", "dask-pytorch-ddp", "ray"))
     print(
         f"{scenario}; batch {BATCH} per rank; {args.runs} counted runs after {args.warmup_runs} "
@@ -822,10 +966,11 @@ def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
     print(
         f"\nwarm clusters: per round one job of {args.warmup_steps}+{args.steps} steps per tool, "
         f"and {args.launches} 1-step jobs per Dask tool; first step = call -> every rank "
-        "finished step 1 (median over all jobs, n)"
+        "finished step 1 (median over all jobs, n); steps/s over the whole timed window, and "
+        f"the median rate of its {BLOCK}-step blocks"
     )
     print(
-        f"{'tool':<17}{'call->in fn':>12}{'first step':>11}{'n':>4}{'steps/s':>9}"
+        f"{'tool':<17}{'call->in fn':>12}{'first step':>11}{'n':>4}{'steps/s':>9}{'blocks':>8}"
         f"{'CPU/step':>10}{'threads':>8}{'total':>9}{'report b2b':>12}{'spaced':>10}"
         "  params = dask_ddp's"
     )
@@ -834,11 +979,18 @@ def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
         print(
             f"{tool:<17}{_t(med(starts, tool, 'in_fn')):>12}"
             f"{_t(med(starts, tool, 'first_step')):>11}{len(starts[tool]['first_step']):>4}"
-            f"{med(warm, tool, 'steps_per_s'):>9.1f}{_t(med(warm, tool, 'cpu_per_step')):>10}"
-            f"{warm[tool]['threads'][0]:>8}"
+            f"{med(warm, tool, 'steps_per_s'):>9.1f}{med(warm, tool, 'block_steps_per_s'):>8.1f}"
+            f"{_t(med(warm, tool, 'cpu_per_step')):>10}"
+            f"{_threads(warm[tool]):>8}"
             f"{_t(med(warm, tool, 'total')):>9}{_t(c.get('back', float('nan'))):>12}"
             f"{_t(c.get('spaced', float('nan'))):>10}  {match[tool]}"
         )
+    print(
+        "threads: torch threads per rank the tool gave -> trained with (train() sets the same "
+        "number under every tool)\nMALLOC_TRIM_THRESHOLD_ inside the training function: "
+        + "; ".join(f"{t} {_values(warm[t]['malloc_env'])}" for t in tools)
+        + " (dask_ddp lifts the worker's value while a rank runs, dask_ddp/_malloc.py)"
+    )
     if cold:
         print(
             f"\ncold: a fresh driver process per tool starts its cluster and runs a "
@@ -884,6 +1036,8 @@ def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
             ("total", paired(warm, tool, "total"), ratio(warm, tool, "total")),
             ("steps/s", 1 / paired(warm, tool, "steps_per_s"),
              1 / ratio(warm, tool, "steps_per_s")),
+            (f"{BLOCK}-step block steps/s", 1 / paired(warm, tool, "block_steps_per_s"),
+             1 / ratio(warm, tool, "block_steps_per_s")),
             ("CPU per step", paired(warm, tool, "cpu_per_step"),
              ratio(warm, tool, "cpu_per_step")),
         ]  # fmt: skip
@@ -912,9 +1066,10 @@ def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
         r, m = 1 / paired(starts, tool, "first_step"), 1 / ratio(starts, tool, "first_step")
         targets.append(("time to first step <= dask-pytorch-ddp's", r, m, r <= 1.0))
     if "torchrun" in tools:
-        r, m = paired(warm, "torchrun", "steps_per_s"), ratio(warm, "torchrun", "steps_per_s")
-        r, m = 1 / r, 1 / m
-        targets.append(("steady steps/s >= 0.97x torchrun's", r, m, r >= 0.97))
+        for key, how in (("block_steps_per_s", f"median of {BLOCK}-step blocks"),
+                         ("steps_per_s", "whole timed window")):  # fmt: skip
+            r, m = 1 / paired(warm, "torchrun", key), 1 / ratio(warm, "torchrun", key)
+            targets.append((f"steady steps/s >= 0.97x torchrun's ({how})", r, m, r >= 0.97))
     if "ray" in cost:
         for key, how in (("spaced", "spaced, Ray's best case"), ("back", "back to back")):
             r = cost["dask_ddp"][key] / cost["ray"][key]
@@ -923,7 +1078,8 @@ def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
         print(f"  {name}: {r:.3g}x ({m:.3g}x)  {'met' if ok else 'NOT MET'}")
 
     print("\nevery value (counted runs, in run order):")
-    for key in ("in_fn", "first_step", "steps_per_s", "cpu_per_step", "total"):
+    for key in ("in_fn", "first_step", "steps_per_s", "block_steps_per_s", "cpu_per_step",
+                "total"):  # fmt: skip
         for tool in tools:
             print(f"  {key} {tool}: " + ", ".join(f"{v:.3f}" for v in warm[tool][key]))
     for key in ("in_fn", "first_step"):
