@@ -8,7 +8,14 @@ True
 from . import config as _config  # noqa: F401  (loads the ddp: defaults into dask.config)
 from ._version import __version__
 from .checkpoint import CheckpointInfo, UnsafeCheckpointError
-from .context import RankContext, get_checkpoint, get_context, report, save_checkpoint
+from .context import (
+    RankContext,
+    get_checkpoint,
+    get_context,
+    get_dataset_shard,
+    report,
+    save_checkpoint,
+)
 from .dispatch import launch, launch_script, run
 from .errors import (
     BackendUnavailableError,
@@ -30,7 +37,7 @@ from .errors import (
     WorkerBusyError,
     WorkerLostError,
 )
-from .job import Job, JobState, MetricRecord
+from .job import Job, JobState, MetricRecord, OutputLine
 from .results import DaskResultsHandler
 
 __all__ = [
@@ -48,6 +55,7 @@ __all__ = [
     "NoWorkersError",
     "NotInRankError",
     "NotPicklableError",
+    "OutputLine",
     "PeerFailedError",
     "PlacementError",
     "RankAbortedError",
@@ -62,6 +70,7 @@ __all__ = [
     "__version__",
     "get_checkpoint",
     "get_context",
+    "get_dataset_shard",
     "launch",
     "launch_script",
     "report",

@@ -17,7 +17,7 @@ import numbers
 import operator
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,17 @@ from . import checkpoint as _checkpoint
 from . import events as _events
 from .errors import CheckpointDirMissingError, NotInRankError
 
-__all__ = ["RankContext", "get_checkpoint", "get_context", "report", "save_checkpoint"]
+if TYPE_CHECKING:
+    from .data.collections import DatasetShard
+
+__all__ = [
+    "RankContext",
+    "get_checkpoint",
+    "get_context",
+    "get_dataset_shard",
+    "report",
+    "save_checkpoint",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +67,14 @@ class RankContext:
         Address of the Dask worker running this rank.
     master_addr, master_port
         Where the process group's store listens (rank 0's host).
+
+    Examples
+    --------
+    >>> def train():                                # doctest: +SKIP
+    ...     ctx = dask_ddp.get_context()
+    ...     model = DDP(make_model().to(ctx.device))
+    ...     if ctx.rank == 0:
+    ...         print(f"{ctx.world_size} ranks on {ctx.backend}, attempt {ctx.attempt}")
     """
 
     rank: int
@@ -274,6 +292,17 @@ def get_checkpoint() -> Any:
     ------
     NotInRankError
         Called outside a rank.
+
+    Examples
+    --------
+    >>> def train(steps):                                    # doctest: +SKIP
+    ...     model, opt = make_model(), make_optimizer()
+    ...     state = dask_ddp.get_checkpoint()                # None on the first attempt
+    ...     start = 0 if state is None else state["step"] + 1
+    ...     if state is not None:
+    ...         model.load_state_dict(state["model"])
+    ...     for step in range(start, steps):
+    ...         ...
     """
     ctx = get_context()
     settings = _checkpointing
@@ -300,3 +329,69 @@ def _activated(
         yield ctx
     finally:
         _current, _channel, _checkpointing = previous
+
+
+_dataset_plans: Mapping[str, Any] = {}  # name -> this rank's _ShardPlan, while a rank runs
+_dataset_shards: dict[str, DatasetShard] = {}
+
+
+def get_dataset_shard(name: str) -> DatasetShard:
+    """This rank's share of the dataset passed as ``launch(..., datasets={name: ...})``.
+
+    Every rank gets about ``1/world_size`` of the rows, the same number on every rank;
+    iterate it once per epoch with :meth:`~dask_ddp.data.DatasetShard.iter_batches` or
+    :meth:`~dask_ddp.data.DatasetShard.iter_rows`. Calls with the same name return the same
+    object during the rank's run.
+
+    Parameters
+    ----------
+    name : str
+        A key of the ``datasets=`` mapping given to :func:`dask_ddp.launch`.
+
+    Returns
+    -------
+    DatasetShard
+
+    Raises
+    ------
+    NotInRankError
+        Called outside a function started by :func:`dask_ddp.launch`.
+    DatasetNotFoundError
+        The job was launched without a dataset of that name (a ``KeyError``).
+
+    Examples
+    --------
+    >>> def train(epochs):
+    ...     shard = dask_ddp.get_dataset_shard("train")
+    ...     for epoch in range(epochs):
+    ...         for batch in shard.iter_batches(256, format="torch"):
+    ...             ...
+    >>> dask_ddp.launch(client, train, args=(2,), datasets={"train": ddf})  # doctest: +SKIP
+    """
+    if _current is None:
+        raise NotInRankError("get_dataset_shard")
+    shard = _dataset_shards.get(name)
+    if shard is None:
+        from .data.collections import DatasetNotFoundError, DatasetShard
+
+        plan = _dataset_plans.get(name)
+        if plan is None:
+            raise DatasetNotFoundError(name, tuple(sorted(_dataset_plans)), _current.rank)
+        shard = _dataset_shards[name] = DatasetShard(plan)
+    return shard
+
+
+@contextlib.contextmanager
+def _datasets_activated(plans: Mapping[str, Any] | None) -> Iterator[None]:
+    """Make ``plans`` (this rank's dataset shares) what :func:`get_dataset_shard` serves
+    for the block; stop the shards' background fetches when it ends."""
+    global _dataset_plans, _dataset_shards
+    previous = _dataset_plans, _dataset_shards
+    _dataset_plans, _dataset_shards = dict(plans or {}), {}
+    try:
+        yield
+    finally:
+        shards = _dataset_shards
+        _dataset_plans, _dataset_shards = previous
+        for shard in shards.values():
+            shard.close()

@@ -4,6 +4,12 @@
   dask-pytorch-ddp's class of the same name (``s3_bucket=``/``s3_prefix=`` still work).
 * :class:`FileDataset`: one file per sample on any fsspec filesystem, with your decode
   function.
+* :class:`ShardListDataset`: samples in WebDataset-format tar shards, each shard
+  downloaded once per host into a size-limited cache; :class:`DistributedChunkedSampler`
+  reads them shard by shard on every rank; :func:`write_shards` writes them.
+* :class:`CollectionSource` and :class:`DatasetShard`: a dask.dataframe, bag or array passed
+  to ``launch(..., datasets={"train": ddf})``, split evenly between the ranks and read
+  worker to worker with :func:`dask_ddp.get_dataset_shard`.
 
 Both list once, fetch a batch's objects concurrently, retry transient errors, create one
 client per process, pickle for spawn-started DataLoader workers and Dask, and can keep a
@@ -12,21 +18,57 @@ host-local disk cache (``cache_dir=``). See ``docs/data.md``.
 
 from dask_ddp.data._errors import (
     CorruptSampleError,
+    CorruptShardError,
     DataNotFoundError,
+    MissingFieldError,
     NoSamplesError,
     SampleFetchError,
+    ShardCountError,
+    ShardListError,
+    ShardNotFoundError,
 )
 from dask_ddp.data.cache import LocalCache
+from dask_ddp.data.collections import (
+    CollectionSource,
+    DatasetComputeError,
+    DatasetNotFoundError,
+    DatasetPartitionLostError,
+    DatasetShard,
+    DatasetTooSmallError,
+    UnsupportedCollectionError,
+)
 from dask_ddp.data.s3 import IMG_EXTENSIONS, FileDataset, S3ImageFolder, decode_image
+from dask_ddp.data.shards import (
+    DEFAULT_DECODERS,
+    DistributedChunkedSampler,
+    ShardListDataset,
+    write_shards,
+)
 
 __all__ = [
+    "DEFAULT_DECODERS",
     "IMG_EXTENSIONS",
+    "CollectionSource",
     "CorruptSampleError",
+    "CorruptShardError",
     "DataNotFoundError",
+    "DatasetComputeError",
+    "DatasetNotFoundError",
+    "DatasetPartitionLostError",
+    "DatasetShard",
+    "DatasetTooSmallError",
+    "DistributedChunkedSampler",
     "FileDataset",
     "LocalCache",
+    "MissingFieldError",
     "NoSamplesError",
     "S3ImageFolder",
     "SampleFetchError",
+    "ShardCountError",
+    "ShardListDataset",
+    "ShardListError",
+    "ShardNotFoundError",
+    "UnsupportedCollectionError",
     "decode_image",
+    "write_shards",
 ]

@@ -13,9 +13,14 @@ from dask_ddp.errors import DaskDDPError
 
 __all__ = [
     "CorruptSampleError",
+    "CorruptShardError",
     "DataNotFoundError",
+    "MissingFieldError",
     "NoSamplesError",
     "SampleFetchError",
+    "ShardCountError",
+    "ShardListError",
+    "ShardNotFoundError",
 ]
 
 
@@ -115,4 +120,142 @@ class SampleFetchError(DaskDDPError, OSError):
             f"cannot read {self.url}: {self.cause}. Transient errors (5xx, throttling, reset "
             "connections) were already retried; check that the object exists and is readable "
             "with these credentials, or raise retries= for a flaky store"
+        )
+
+
+class ShardListError(DaskDDPError, ValueError):
+    """A shard list (JSON file or Python list) is malformed.
+
+    Parameters
+    ----------
+    source : str
+        Where the list came from: the JSON file's URL, or ``"the shard list passed in"``.
+    reason : str
+        What is wrong, as a sentence fragment.
+
+    Examples
+    --------
+    >>> print(ShardListError("s3://b/shards.json", "entry 3 has no 'nsamples'"))
+    ... # doctest: +ELLIPSIS
+    bad shard list s3://b/shards.json: entry 3 has no 'nsamples'. A shard list is ...
+    """
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(source, reason)
+        self.source, self.reason = source, reason
+
+    def __str__(self) -> str:
+        return (
+            f"bad shard list {self.source}: {self.reason}. A shard list is "
+            '{"shardlist": [{"url": "shard-000000.tar", "nsamples": 1000}, ...]} (relative '
+            "URLs are resolved against the JSON file's folder), or a Python list of such "
+            "dicts; dask_ddp.data.write_shards writes one"
+        )
+
+
+class ShardNotFoundError(DaskDDPError, FileNotFoundError):
+    """A shard named in the shard list does not exist.
+
+    Parameters
+    ----------
+    url : str
+        The shard's URL.
+    source : str
+        Where the shard list came from.
+    cause : str
+        The filesystem's error, as ``"ExceptionType: message"``.
+
+    Examples
+    --------
+    >>> err = ShardNotFoundError("s3://b/shard-000007.tar", "s3://b/shards.json", "no such key")
+    >>> isinstance(err, FileNotFoundError)
+    True
+    >>> print(err)  # doctest: +ELLIPSIS
+    shard s3://b/shard-000007.tar does not exist (no such key), but s3://b/shards.json lists it...
+    """
+
+    def __init__(self, url: str, source: str, cause: str) -> None:
+        super().__init__(url, source, cause)
+        self.url, self.source, self.cause = url, source, cause
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return type(self), (self.url, self.source, self.cause)
+
+    def __str__(self) -> str:
+        return (
+            f"shard {self.url} does not exist ({self.cause}), but {self.source} lists it. "
+            "Upload the shard, or regenerate the shard list (write_shards writes both)"
+        )
+
+
+class ShardCountError(DaskDDPError, ValueError):
+    """A shard holds a different number of samples than its shard list says.
+
+    Examples
+    --------
+    >>> print(ShardCountError("/data/shard-000001.tar", "/data/shards.json", 1000, 998))
+    ... # doctest: +ELLIPSIS
+    shard /data/shard-000001.tar holds 998 samples, but /data/shards.json says 1000 (nsamples)...
+    """
+
+    def __init__(self, url: str, source: str, expected: int, found: int) -> None:
+        super().__init__(url, source, expected, found)
+        self.url, self.source, self.expected, self.found = url, source, expected, found
+
+    def __str__(self) -> str:
+        return (
+            f"shard {self.url} holds {self.found} samples, but {self.source} says "
+            f"{self.expected} (nsamples). The shard list is out of date or the shard was "
+            "rewritten: regenerate the list (write_shards), or correct its nsamples"
+        )
+
+
+class CorruptShardError(DaskDDPError, ValueError):
+    """A shard is not a readable, uncompressed tar file.
+
+    Parameters
+    ----------
+    url : str
+        The shard's URL.
+    cause : str
+        What is wrong with it.
+
+    Examples
+    --------
+    >>> print(CorruptShardError("s3://b/shard-000002.tar", "truncated at byte 512"))
+    ... # doctest: +ELLIPSIS
+    shard s3://b/shard-000002.tar is not a readable tar file: truncated at byte 512. ...
+    """
+
+    def __init__(self, url: str, cause: str) -> None:
+        super().__init__(url, cause)
+        self.url, self.cause = url, cause
+
+    def __str__(self) -> str:
+        return (
+            f"shard {self.url} is not a readable tar file: {self.cause}. Its local copy "
+            "(if cached) was deleted, so the next read downloads it again; if the stored "
+            "shard itself is damaged, rewrite it (write_shards)"
+        )
+
+
+class MissingFieldError(DaskDDPError, KeyError):
+    """A sample lacks a field (extension) that ``keys=`` asks for.
+
+    Examples
+    --------
+    >>> err = MissingFieldError("/d/shard-000000.tar", "000017", "cls", ("jpg", "json"))
+    >>> print(err)  # doctest: +ELLIPSIS
+    sample '000017' in /d/shard-000000.tar has no 'cls' field (it has: jpg, json). ...
+    """
+
+    def __init__(self, url: str, key: str, wanted: str, available: tuple[str, ...]) -> None:
+        super().__init__(url, key, wanted, available)
+        self.url, self.key, self.wanted, self.available = url, key, wanted, available
+
+    def __str__(self) -> str:
+        return (
+            f"sample {self.key!r} in {self.url} has no {self.wanted!r} field (it has: "
+            f"{', '.join(self.available)}). Name alternatives with ';' in keys= (e.g. "
+            "'jpg;png'), or leave keys=None to get every field in a dict"
         )

@@ -6,19 +6,29 @@ while it fetches, writes to a temporary file in the same directory and renames i
 place with :func:`os.replace`, so a reader sees a whole file or none, and a crash leaves
 only a ``.part`` file that never counts as cached. A second epoch reads local disk.
 
-The cache never evicts: clear the directory yourself when the data set changes or when
-the disk fills. Entries are keyed by URL, endpoint, size and ETag (or modification time),
-so a changed object is fetched again under a new name.
+Entries are keyed by the caller (:class:`~dask_ddp.data.FileDataset` uses URL, endpoint,
+size and ETag or modification time), so a changed object is fetched again under a new name.
+Whole files (tar shards) go in with :meth:`LocalCache.open_file`, single samples with
+:meth:`LocalCache.get_many`.
+
+Without ``max_bytes`` the cache never evicts: clear the directory yourself when the data
+set changes or the disk fills. With ``max_bytes``, the least recently used entries are
+deleted once the directory holds more than that. A file another process has open stays
+readable after it is deleted (POSIX keeps it until the last descriptor closes), so
+eviction never breaks a reader; the next process to want it downloads it again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO
 
 try:
     import fcntl
@@ -26,6 +36,11 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["LocalCache"]
+
+logger = logging.getLogger(__name__)
+
+_STALE_PART_SECONDS = 24 * 3600
+"""A ``.part`` file older than this was left by a crashed download; eviction deletes it."""
 
 Fetched = bytes | BaseException
 """What a fetch returns for one sample: its bytes, or the error that stopped it."""
@@ -39,6 +54,11 @@ class LocalCache:
     directory : str or os.PathLike
         Where the cached files go; created if missing. Use a local disk that every
         process on the host can write (not NFS: ``fcntl`` locks are per host).
+    max_bytes : int, optional
+        Keep the entries' total size near this many bytes by deleting the least recently
+        used ones (by modification time, which every read refreshes). Each process
+        checks after it has written about 5% of ``max_bytes``, so the directory can run
+        over by a few percent per writing process for a while. Default: no limit.
 
     Examples
     --------
@@ -53,17 +73,23 @@ class LocalCache:
     ([b'twelve bytes'], 1)
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         if fcntl is None:  # pragma: no cover - Windows
             raise OSError(
                 "cache_dir= needs fcntl file locks, which this platform lacks; "
                 "leave cache_dir=None here"
             )
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"max_bytes= must be a positive int or None, got {max_bytes!r}")
         self.directory = Path(directory).expanduser().absolute()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._scan_every = max(1, max_bytes // 20) if max_bytes is not None else 0
+        self._written = self._scan_every  # the first write checks the size
 
     def __repr__(self) -> str:
-        return f"LocalCache({str(self.directory)!r})"
+        limit = f", max_bytes={self.max_bytes}" if self.max_bytes is not None else ""
+        return f"LocalCache({str(self.directory)!r}{limit})"
 
     def path(self, key: str) -> Path:
         """Return the file that holds ``key``.
@@ -87,6 +113,7 @@ class LocalCache:
         try:
             with open(self.path(key), "rb") as f:
                 data = f.read()
+                self._touch(f)
         except FileNotFoundError:
             return None
         if size is not None and len(data) != size:
@@ -110,7 +137,182 @@ class LocalCache:
             with suppress(FileNotFoundError):
                 part.unlink()
             raise
+        self._wrote(len(data), dest)
         return dest
+
+    def open_file(self, key: str, download: Callable[[Path], None]) -> tuple[BinaryIO, bool]:
+        """Open the file cached under ``key``, downloading it first if the host lacks it.
+
+        The first process to miss holds the entry's lock while ``download`` writes the
+        whole file to a temporary path, which is then renamed into place; processes that
+        miss meanwhile wait for the lock and open the finished file. An exception from
+        ``download`` removes the temporary file and propagates; nothing is cached.
+
+        Parameters
+        ----------
+        key : str
+            The cache key, e.g. ``"http://store:9000|s3://bucket/shard-000000.tar|1048576"``.
+        download : callable
+            ``download(path)`` writes the file's bytes to ``path``.
+
+        Returns
+        -------
+        file : binary file
+            Open for reading; the caller closes it. It stays readable even if the entry
+            is evicted later.
+        hit : bool
+            True if the file was cached already (by this or another process).
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> cache = LocalCache(tempfile.mkdtemp())
+        >>> f, hit = cache.open_file("k", lambda path: path.write_bytes(b"shard bytes"))
+        >>> f.read(), hit
+        (b'shard bytes', False)
+        >>> f.close()
+        >>> f, hit = cache.open_file("k", lambda path: path.write_bytes(b"not called"))
+        >>> f.read(), hit
+        (b'shard bytes', True)
+        >>> f.close()
+        """
+        dest = self.path(key)
+        f = self._open_cached(dest)
+        if f is not None:
+            return f, True
+        with self.locked([key]):
+            f = self._open_cached(dest)  # another process may have filled it meanwhile
+            if f is not None:
+                return f, True
+            dest.parent.mkdir(exist_ok=True)
+            part = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.part")
+            try:
+                download(part)
+                os.replace(part, dest)
+            except BaseException:
+                with suppress(FileNotFoundError):
+                    part.unlink()
+                raise
+            f = open(dest, "rb")  # noqa: SIM115 - returned to the caller
+        self._wrote(os.fstat(f.fileno()).st_size, dest)
+        return f, False
+
+    def discard(self, key: str) -> None:
+        """Delete the entry of ``key``, if any (a corrupt copy, say).
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> cache = LocalCache(tempfile.mkdtemp())
+        >>> _ = cache.write("k", b"data")
+        >>> cache.discard("k")
+        >>> cache.read("k") is None
+        True
+        """
+        with suppress(FileNotFoundError):
+            self.path(key).unlink()
+
+    def _open_cached(self, dest: Path) -> BinaryIO | None:
+        try:
+            f = open(dest, "rb")  # noqa: SIM115 - returned to the caller
+        except FileNotFoundError:
+            return None
+        self._touch(f)
+        return f
+
+    def _touch(self, f: BinaryIO) -> None:
+        """Mark an entry as just used (its modification time orders eviction)."""
+        if self.max_bytes is not None:
+            with suppress(OSError):  # read-only cache directories still serve reads
+                os.utime(f.fileno())
+
+    def _wrote(self, size: int, dest: Path) -> None:
+        """Count bytes written; past about 5% of ``max_bytes``, evict down to the limit."""
+        if self.max_bytes is None:
+            return
+        self._written += size
+        if self._written >= self._scan_every:
+            self._written = 0
+            self.evict(keep=dest)
+
+    def evict(self, keep: Path | None = None) -> int:
+        """Delete least recently used entries until the total is at most ``max_bytes``.
+
+        Runs in one process at a time per directory; a process that finds another one
+        evicting returns at once. ``keep`` (the entry just written) is never deleted.
+        Temporary files left by crashed downloads (older than a day) are deleted too.
+
+        Returns
+        -------
+        int
+            How many entries were deleted.
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> cache = LocalCache(tempfile.mkdtemp(), max_bytes=10)
+        >>> os.utime(cache.write("old", b"123456"), (0, 0))  # last used in 1970
+        >>> _ = cache.write("new", b"abcdef")  # 12 bytes > 10: "old" goes
+        >>> cache.read("old"), cache.read("new")
+        (None, b'abcdef')
+        """
+        if self.max_bytes is None:
+            return 0
+        lock = os.open(self.directory / ".evict.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0  # another process is evicting right now
+            entries, total = self._entries()
+            if total <= self.max_bytes:
+                return 0
+            entries.sort()  # oldest first
+            deleted = freed = 0
+            for _, size, path in entries:
+                if total - freed <= self.max_bytes:
+                    break
+                if keep is not None and path == str(keep):
+                    continue
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
+                    deleted += 1
+                    freed += size
+            logger.info(
+                "cache %s: evicted %d least recently used entries (%d bytes) to stay under "
+                "max_bytes=%d",
+                self.directory,
+                deleted,
+                freed,
+                self.max_bytes,
+            )
+            return deleted
+        finally:
+            os.close(lock)  # releases the flock
+
+    def _entries(self) -> tuple[list[tuple[float, int, str]], int]:
+        """``(mtime, size, path)`` of every entry, and their total size."""
+        entries: list[tuple[float, int, str]] = []
+        total = 0
+        now = time.time()
+        for sub in os.scandir(self.directory):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(sub.path):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # evicted or replaced meanwhile
+                if entry.name.endswith(".part"):
+                    if now - st.st_mtime > _STALE_PART_SECONDS:
+                        with suppress(FileNotFoundError):
+                            os.unlink(entry.path)
+                    continue
+                if "." in entry.name:  # .lock files (never deleted: others may hold them)
+                    continue
+                entries.append((st.st_mtime, st.st_size, entry.path))
+                total += st.st_size
+        return entries, total
 
     @contextmanager
     def locked(self, keys: Sequence[str]) -> Iterator[None]:

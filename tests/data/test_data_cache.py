@@ -15,7 +15,12 @@ from dask_ddp.data import FileDataset, LocalCache, S3ImageFolder
 
 
 def cached_files(cache_dir: Path) -> list[Path]:
-    return sorted(p for p in cache_dir.rglob("*") if p.is_file() and p.suffix != ".lock")
+    """The cached samples: not the locks, nor the datasets' progress counters (.filled-*)."""
+    return sorted(
+        p
+        for p in cache_dir.rglob("*")
+        if p.is_file() and p.suffix != ".lock" and not p.name.startswith(".filled-")
+    )
 
 
 def test_cache_filled_once_and_reused(s3_endpoint, s3_client, s3_images, tmp_path):
