@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from . import _malloc, _status, events
-from .context import RankContext, _activated, _Checkpointing
+from . import _malloc, _output, _status, events
+from .context import RankContext, _activated, _Checkpointing, _datasets_activated
 from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
 from .placement import RankPlacement
 
@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 _FAILURES = "dask-ddp/failures"
 _FIRST_FAILURE = "dask-ddp/first-failure"
-_JOINED = "dask-ddp/joined"
-_READY = "dask-ddp/ready"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +61,8 @@ class RankSpec:
     event_flush_interval: float = 0.2  # ddp.event-flush-interval, resolved on the client
     max_event_bytes: int = 65536  # ddp.max-event-bytes, resolved on the client
     tune_malloc: bool = True  # ddp.tune-malloc
+    # launch(datasets=): this rank's share of each dataset (keys and row ranges, no data)
+    datasets: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -306,24 +306,31 @@ def _connect_store(spec: RankSpec) -> Any:
         ) from exc
 
 
-def _rendezvous(store: Any, spec: RankSpec) -> None:
-    """Wait until every rank has joined, within the rendezvous timeout."""
+def _rendezvous(store: Any, spec: RankSpec, stage: str = "joined") -> None:
+    """Wait until every rank has reached ``stage``, within the rendezvous timeout.
+
+    Stages: "joined" before ``init_process_group`` (every rank's task has started), and
+    "initialised" after it: no rank runs ``fn`` (which may fail at once and sever its
+    connections) while a peer's gloo is still connecting its mesh, which would fail that
+    peer with gloo's own "Connection closed by peer" instead of the real error.
+    """
     world = spec.placement.world_size
-    joined = store.add(_JOINED, 1)
-    if joined == world:
-        store.set(_READY, "1")
-    else:
-        _status.phase(_status.JOINING, f"waiting for the other ranks ({joined} of {world} joined)")
+    count, ready = f"dask-ddp/{stage}", f"dask-ddp/{stage}-ready"
+    reached = store.add(count, 1)
+    if reached == world:
+        store.set(ready, "1")
+    elif stage == "joined":
+        _status.phase(_status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)")
     try:
-        store.wait([_READY], timedelta(seconds=spec.rendezvous_timeout))
+        store.wait([ready], timedelta(seconds=spec.rendezvous_timeout))
     except (RuntimeError, TimeoutError) as exc:
-        joined = store.add(_JOINED, 0)
+        reached = store.add(count, 0)
         raise RendezvousTimeoutError(
             spec.placement.rank,
             spec.placement.worker,
             spec.key,
             spec.rendezvous_timeout,
-            f"only {joined} of {world} ranks joined",
+            f"only {reached} of {world} ranks {stage}",
         ) from exc
 
 
@@ -448,6 +455,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
                 timeout=timedelta(seconds=spec.timeout),
             )
             slot.links = _pg_links(before, _dask_ports())
+            _rendezvous(store, spec, "initialised")
         _status.phase(_status.RUNNING)
         ctx = RankContext(
             rank=p.rank,
@@ -469,7 +477,11 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
             checkpointing = _Checkpointing(
                 spec.checkpoint_dir, spec.keep_last, spec.storage_options
             )
-            with _activated(ctx, channel, checkpointing):
+            with (
+                _activated(ctx, channel, checkpointing),
+                _datasets_activated(spec.datasets),
+                _output.forwarded(channel),
+            ):
                 value = fn(*args, **kwargs)
         except BaseException as exc:
             with _lock:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from distributed import Client, Future
@@ -22,8 +23,11 @@ from distributed import Client, Future
 from . import bootstrap, config, script
 from .config import TimeoutLike
 from .errors import NotPicklableError, NoWorkersError, PlacementError
-from .job import Job, MetricRecord
+from .job import Job, MetricRecord, OutputLine
 from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, select_workers
+
+if TYPE_CHECKING:
+    from .data import collections as _collections
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +62,12 @@ def launch(
     timeout: TimeoutLike | None = None,
     pass_local_rank: bool = False,
     on_report: Callable[[MetricRecord], Any] | None = None,
+    on_output: Callable[[OutputLine], Any] | None = None,
     max_restarts: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    datasets: Mapping[str, Any] | None = None,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
@@ -97,6 +103,11 @@ def launch(
         TensorBoard, MLflow or a file. It runs on the job's watcher thread, never on a rank
         or on the client's event loop; if it raises, the error is logged and it is not
         called again for this job.
+    on_output : callable, optional
+        Called on the client with each :class:`~dask_ddp.job.OutputLine` a rank prints
+        (``print()``, ``sys.stdout``, ``sys.stderr``) while ``fn`` runs, in each rank's
+        order; like ``on_report``, on the watcher thread. The lines are also in
+        :attr:`Job.output` and the live view, and still in the worker's own log.
     max_restarts : int, optional
         How many times to place the job again and rerun ``fn`` when a rank's worker is
         lost (killed, out of memory, removed) or a rank raises
@@ -111,6 +122,17 @@ def launch(
     storage_options : mapping, optional
         fsspec options for ``checkpoint_dir`` (for example
         ``{"client_kwargs": {"endpoint_url": "http://minio:9000"}}``).
+    datasets : mapping of str to Dask collection, optional
+        Training data already in Dask: ``{"train": ddf}`` with a dask.dataframe DataFrame or
+        Series, a dask.bag Bag or a dask.array Array, or a
+        :class:`~dask_ddp.data.CollectionSource` for options (``shuffle``, ``seed``,
+        ``drop_last``). Each is computed into the workers' memory before the ranks start
+        (``launch`` returns once it is) and held until the job ends, restarts included.
+        Its rows are split evenly between the ranks, preferring partitions already on a
+        rank's worker; inside ``fn``, :func:`dask_ddp.get_dataset_shard` (``"train"``)
+        returns the rank's share, which fetches its partitions worker to worker, never
+        through the client. Every rank gets the same number of rows (a few repeated, or
+        left out with ``drop_last=True``), so the same number of batches.
 
     Returns
     -------
@@ -128,6 +150,10 @@ def launch(
         ``fn`` or its arguments cannot be sent to the workers.
     BackendUnavailableError
         ``backend="nccl"`` on a worker without a GPU.
+    UnsupportedCollectionError
+        A value in ``datasets=`` is not a Dask dataframe, bag or array.
+    DatasetComputeError
+        Computing a partition of a dataset failed.
 
     Notes
     -----
@@ -156,10 +182,12 @@ def launch(
         pass_local_rank=pass_local_rank,
         init_process_group=True,
         on_report=on_report,
+        on_output=on_output,
         max_restarts=max_restarts,
         checkpoint_dir=checkpoint_dir,
         keep_last=keep_last,
         storage_options=storage_options,
+        datasets=datasets,
     )
 
 
@@ -175,10 +203,12 @@ def _launch(
     pass_local_rank: bool,
     init_process_group: bool,
     on_report: Callable[[MetricRecord], Any] | None = None,
+    on_output: Callable[[OutputLine], Any] | None = None,
     max_restarts: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    datasets: Mapping[str, Any] | None = None,
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
@@ -187,6 +217,13 @@ def _launch(
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be 0 or more; got {max_restarts!r}")
     job_id = uuid.uuid4().hex[:12]
+    data = None
+    if datasets:
+        # Imported here: the data modules (PIL, fsspec, dask.dataframe) cost every launch
+        # ~80 ms and 8 MB otherwise, and most jobs bring no Dask collection.
+        from .data import collections as _collections
+
+        data = _collections._persist_datasets(client, datasets, job_id)
     launcher = _Launcher(
         client, fn, args, kwargs, settings, job_id,
         pass_local_rank=pass_local_rank,
@@ -195,20 +232,39 @@ def _launch(
         keep_last=keep_last,
         storage_options=dict(storage_options) if storage_options else None,
     )  # fmt: skip
-    first = launcher.prepare(0, workers)
-    # The job subscribes to the attempt's event topic before any rank is submitted.
-    job = Job(
-        client,
-        job_id,
-        first,
-        failure_grace=settings.failure_grace,
-        drain_timeout=settings.event_drain_timeout,
-        on_report=on_report,
-        max_restarts=max_restarts,
-        relaunch=launcher.relaunch,
-    )
-    job._start()
+    launcher.datasets = data
+    try:
+        first = launcher.prepare(0, workers)
+        # The job subscribes to the attempt's event topic before any rank is submitted.
+        job = Job(
+            client,
+            job_id,
+            first,
+            failure_grace=settings.failure_grace,
+            drain_timeout=settings.event_drain_timeout,
+            on_report=on_report,
+            on_output=on_output,
+            max_restarts=max_restarts,
+            relaunch=launcher.relaunch,
+        )
+        job._start()
+    except BaseException:
+        if data is not None:
+            data.release()
+        raise
+    if data is not None:
+        # The datasets' partitions stay in the cluster while the job may still read them:
+        # until it is done (succeeded, failed for good, or cancelled), restarts included.
+        threading.Thread(
+            target=_release_when_done, args=(job, data), name=f"dask-ddp-data-{job_id}",
+            daemon=True,
+        ).start()  # fmt: skip
     return job
+
+
+def _release_when_done(job: Job, data: _collections._Datasets) -> None:
+    job.wait()
+    data.release()
 
 
 @dataclasses.dataclass
@@ -240,6 +296,7 @@ class _Launcher:
         self.client, self.fn, self.args, self.kwargs = client, fn, args, kwargs
         self.settings, self.job_id, self.rank_options = settings, job_id, rank_options
         self.world_size = 0
+        self.datasets: _collections._Datasets | None = None
 
     def relaunch(self, attempt: int) -> _Attempt:
         """Place the job again on the workers there now, waiting for enough of them."""
@@ -293,6 +350,13 @@ class _Launcher:
             ]
             backend, why = choose_backend(settings.backend, infos)
             plan = plan_ranks(infos)
+            # Each attempt splits the data again, for where its ranks and the partitions
+            # are now (a restart may run on other workers, after partitions were recomputed).
+            shares = (
+                self.datasets.plan([p.worker for p in plan])
+                if self.datasets is not None
+                else [None] * len(plan)
+            )
         except BaseException:
             abandon()
             raise
@@ -319,6 +383,7 @@ class _Launcher:
                 placement=placement,
                 event_flush_interval=settings.event_flush_interval,
                 max_event_bytes=settings.max_event_bytes,
+                datasets=shares[placement.rank],
                 **self.rank_options,
             )
             for placement in plan
@@ -361,13 +426,15 @@ def launch_script(
     workers: int | Sequence[str] | None = None,
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
+    on_output: Callable[[OutputLine], Any] | None = None,
 ) -> Job:
     """Run a torchrun-style script as ``__main__`` on each rank.
 
     The script is read here and sent to the workers, so it need not exist on them. Each rank
     sees torchrun's environment and ``sys.argv == [path, *args]``; the script calls
     ``init_process_group()`` itself, as it would under torchrun. A non-zero ``sys.exit``
-    fails the rank. Every rank's return value is its exit code (0).
+    fails the rank. Every rank's return value is its exit code (0). What the script prints
+    reaches the client line by line (:attr:`Job.output`, and ``on_output`` for each line).
 
     Examples
     --------
@@ -386,6 +453,7 @@ def launch_script(
         backend=backend,
         timeout=timeout,
         pass_local_rank=False,
+        on_output=on_output,
         init_process_group=False,
     )
 

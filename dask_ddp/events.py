@@ -6,7 +6,7 @@ sent in batches by a background thread as ``Worker.log_event`` events on the job
 topic (:func:`job_topic`). On the client, :func:`subscribe` fans ``Client.subscribe_topic``
 out to every listener, and a :class:`RankStream` per rank puts the messages back in order.
 
-Why it is built this way (measured on the real stack, see DESIGN.md):
+Why it is built this way (measured on the real stack):
 
 - ``Worker.log_event`` costs 15-50 µs a call, so records are batched, one event per batch.
 - The scheduler relays events and keeps the last 1000 per topic, so a message larger than
@@ -48,6 +48,8 @@ Handler = Callable[[Any], None]
 METRICS = "m"
 RESULT = "r"
 CHECKPOINT = "c"
+#: A rank's printed lines ``[stream, text]`` (``"stdout"``/``"stderr"``, lines joined by \n).
+OUTPUT = "o"
 
 _HANDLER = "dask_ddp_blob"  # the worker handler that hands large messages to the client
 _EVENT_OVERHEAD = 256  # bytes an event's envelope may take besides its messages

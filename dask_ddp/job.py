@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import logging
 import math
 import queue
@@ -50,10 +51,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Job", "JobState", "MetricRecord"]
+__all__ = ["Job", "JobState", "MetricRecord", "OutputLine"]
 
 _VIEW_PERIOD = 0.25  # seconds between live-view refreshes while records stream in
 _CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinned)
+_OUTPUT_LINES = 10_000  # printed lines kept in Job.output (the oldest go first)
+_VIEW_LINES = 8  # printed lines the live view shows
 
 
 class JobState(str, enum.Enum):
@@ -105,6 +108,22 @@ class MetricRecord(NamedTuple):
 # rank futures (each future refers to its job, see Job._start), so that
 # DaskResultsHandler.process_results(prefix, futures) finds the job behind run()'s list.
 _jobs_by_key: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
+
+
+class OutputLine(NamedTuple):
+    """One line a rank printed (``print()``, ``sys.stdout``/``sys.stderr``), on the client.
+
+    Examples
+    --------
+    >>> OutputLine(rank=1, stream="stdout", text="epoch 3 done")
+    OutputLine(rank=1, stream='stdout', text='epoch 3 done')
+    """
+
+    rank: int
+    stream: str
+    text: str
+
+
 _JOB_ATTR = "_dask_ddp_job"
 
 
@@ -197,6 +216,7 @@ class Job:
         failure_grace: float,
         drain_timeout: float = 10.0,
         on_report: Callable[[MetricRecord], Any] | None = None,
+        on_output: Callable[[OutputLine], Any] | None = None,
         max_restarts: int = 0,
         relaunch: Callable[[int], Any] | None = None,
     ) -> None:
@@ -208,6 +228,7 @@ class Job:
         self._grace = failure_grace
         self._drain_timeout = drain_timeout
         self._on_report = on_report
+        self._on_output = on_output
         self._restarts_left = max_restarts
         self._relaunch = relaunch
         self._state = JobState.RUNNING
@@ -220,6 +241,7 @@ class Job:
         # Channel state: written by the watcher thread; readers take _cond.
         self._cond = threading.Condition()
         self._metrics: list[MetricRecord] = []
+        self._output: collections.deque[OutputLine] = collections.deque(maxlen=_OUTPUT_LINES)
         self._status_changes = 0  # rank status messages seen (wakes Job.watch)
         self._checkpoints: list[checkpoint.CheckpointInfo] = []
         self._results: dict[str, collections.deque[tuple[int, str, Any]]] = {}
@@ -379,6 +401,23 @@ class Job:
         """
         with self._cond:
             return list(self._metrics)
+
+    @property
+    def output(self) -> list[OutputLine]:
+        """The lines the ranks printed, as they arrived (the last 10,000; a copy).
+
+        Each rank's ``print()`` and writes to ``sys.stdout``/``sys.stderr`` while its
+        function runs reach the client line by line; they also stay in the worker's own log.
+        The live view shows the latest few; ``launch(on_output=...)`` gets each one.
+
+        Examples
+        --------
+        >>> job.result()                            # doctest: +SKIP
+        >>> [line.text for line in job.output if line.rank == 0][-1]  # doctest: +SKIP
+        'epoch 3: loss 0.31'
+        """
+        with self._cond:
+            return list(self._output)
 
     def metrics_frame(self) -> pandas.DataFrame:
         """:attr:`metrics` as a pandas DataFrame: columns rank, step, time, then one per
@@ -794,6 +833,7 @@ class Job:
         else:
             msgs = events.decode(event)
         records = []
+        printed: list[OutputLine] = []
         with self._cond:
             for kind, body in msgs:
                 if kind == events.METRICS:
@@ -811,26 +851,35 @@ class Job:
                 elif kind == events.RESULT:
                     key, path, data = body
                     self._results.setdefault(key, collections.deque()).append((rank, path, data))
+                elif kind == events.OUTPUT:
+                    stream, text = body
+                    printed += [OutputLine(rank, stream, line) for line in text.split("\n")]
             self._metrics.extend(records)
+            self._output.extend(printed)
             self._cond.notify_all()
-        if self._on_report is not None:
-            self._call_on_report(records)
+        if self._on_report is not None and records:
+            self._call_back("on_report", records, "job.metrics")
+        if self._on_output is not None and printed:
+            self._call_back("on_output", printed, "job.output")
         self._mark_views()
 
-    def _call_on_report(self, records: list[MetricRecord]) -> None:
-        callback = self._on_report
-        for rec in records:
+    def _call_back(self, name: str, items: list[Any], kept_in: str) -> None:
+        """Call the user's ``on_report``/``on_output`` with each item; stop at its first error."""
+        callback = getattr(self, f"_{name}")
+        for item in items:
             try:
-                callback(rec)
+                callback(item)
             except Exception as exc:
                 logger.exception(
-                    "job %s: on_report raised on a record of rank %d; it is not called again "
-                    "for this job (the records stay in job.metrics)",
+                    "job %s: %s raised on an item from rank %d; it is not called again "
+                    "for this job (everything stays in %s)",
                     self.job_id,
-                    rec.rank,
+                    name,
+                    item.rank,
+                    kept_in,
                 )
-                self._on_report = None
-                self._note(f"on_report raised {type(exc).__name__}: {exc}; no longer called")
+                setattr(self, f"_{name}", None)
+                self._note(f"{name} raised {type(exc).__name__}: {exc}; no longer called")
                 return
 
     def _drain(self, ranks: Iterable[int], timeout: float, *, warn: bool) -> None:
@@ -955,6 +1004,10 @@ class Job:
                 "metric": self._curve_metric,
                 "error": str(self._error) if self._error is not None else None,
                 "notes": list(self._notes),
+                "output": [
+                    f"[rank {o.rank}] {o.text}"
+                    for o in itertools.islice(reversed(self._output), _VIEW_LINES)
+                ][::-1],
             }
 
     @staticmethod

@@ -106,6 +106,15 @@ def _errors_html(snap: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _output_html(snap: dict[str, Any]) -> str:
+    """The latest lines the ranks printed, if any."""
+    lines = snap.get("output") or []
+    if not lines:
+        return ""
+    text = html.escape("\n".join(lines))
+    return f"<pre style='margin:4px 0;font-size:11px;max-height:12em;overflow:auto'>{text}</pre>"
+
+
 def render_html(snap: dict[str, Any]) -> str:
     """The whole view as static HTML: title, a row per rank, the curve, the errors."""
     top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
@@ -119,7 +128,8 @@ def render_html(snap: dict[str, Any]) -> str:
     return (
         f"<div>{_title(snap)}<table><tr><th>rank</th><th>worker</th><th>status</th>"
         f"<th>progress</th><th>latest</th></tr>{rows}</table>"
-        f"{_svg_curve(snap['ranks'], snap['metric'])}{_errors_html(snap)}</div>"
+        f"{_svg_curve(snap['ranks'], snap['metric'])}{_output_html(snap)}{_errors_html(snap)}"
+        "</div>"
     )
 
 
@@ -137,8 +147,9 @@ class WidgetView:
         self._labels = [widgets.HTML() for _ in range(world_size)]
         self._plot = widgets.HTML()
         self._errors = widgets.HTML()
+        self._output = widgets.HTML()
         rows = [widgets.HBox([b, t]) for b, t in zip(self._bars, self._labels, strict=True)]
-        self.widget = widgets.VBox([self._title, *rows, self._plot, self._errors])
+        self.widget = widgets.VBox([self._title, *rows, self._plot, self._output, self._errors])
 
     def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
         self.update(snap)
@@ -157,6 +168,9 @@ class WidgetView:
         plot = _svg_curve(snap["ranks"], snap["metric"])
         if plot != self._plot.value:
             self._plot.value = plot
+        output = _output_html(snap)
+        if output != self._output.value:
+            self._output.value = output
         self._errors.value = _errors_html(snap)
 
 

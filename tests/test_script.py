@@ -83,3 +83,32 @@ def test_cli_fails_with_the_failing_rank(script: Path) -> None:
     )
     assert failed.returncode == 1
     assert "rank 1 failed" in failed.stderr and "exited with status 3" in failed.stderr
+
+
+def test_cli_with_a_scheduler_shows_what_the_ranks_print(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "chatty.py"
+    path.write_text(
+        "import os, sys\n"
+        "print('hello from', os.environ['RANK'])\n"
+        "print('a warning', file=sys.stderr)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_ddp", "--scheduler", client.scheduler.address, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(out.stdout.splitlines()) == ["[rank 0] hello from 0", "[rank 1] hello from 1"]
+    assert out.stderr.count("a warning") == 2
+
+
+def test_cli_usage_errors_exit_2_before_starting_anything(tmp_path: Path) -> None:
+    missing = subprocess.run(
+        [sys.executable, "-m", "dask_ddp", str(tmp_path / "missing.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2
+    assert "no script at" in missing.stderr and "LocalCluster" not in missing.stderr
