@@ -259,3 +259,21 @@ class MissingFieldError(DaskDDPError, KeyError):
             f"{', '.join(self.available)}). Name alternatives with ';' in keys= (e.g. "
             "'jpg;png'), or leave keys=None to get every field in a dict"
         )
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """Raise ValueError unless ``value`` is an int of at least ``minimum``.
+
+    >>> check_int("retries", 3, 0)
+    >>> check_int("retries", -1, 0)
+    Traceback (most recent call last):
+    ValueError: retries= must be an int >= 0, got -1
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}= must be an int >= {minimum}, got {value!r}")
+
+
+def check_on_corrupt(value: object) -> None:
+    """Raise ValueError unless ``value`` is ``"raise"`` or ``"skip"``."""
+    if value not in ("raise", "skip"):
+        raise ValueError(f"on_corrupt= must be 'raise' or 'skip', got {value!r}")

@@ -45,6 +45,8 @@ from dask_ddp.data._errors import (
     DataNotFoundError,
     NoSamplesError,
     SampleFetchError,
+    check_int,
+    check_on_corrupt,
 )
 from dask_ddp.data.cache import LocalCache
 
@@ -212,12 +214,9 @@ class FileDataset(Dataset):
             protocol = protocols.pop()
         if decode is not None and not callable(decode):
             raise TypeError(f"decode= takes a function bytes -> sample, got {decode!r}")
-        if not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency= must be an int >= 1, got {concurrency!r}")
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries= must be an int >= 0, got {retries!r}")
-        if on_corrupt not in ("raise", "skip"):
-            raise ValueError(f"on_corrupt= must be 'raise' or 'skip', got {on_corrupt!r}")
+        check_int("concurrency", concurrency, 1)
+        check_int("retries", retries, 0)
+        check_on_corrupt(on_corrupt)
 
         self.decode = decode
         self.transform = transform

@@ -65,6 +65,8 @@ from dask_ddp.data._errors import (
     ShardCountError,
     ShardListError,
     ShardNotFoundError,
+    check_int,
+    check_on_corrupt,
 )
 from dask_ddp.data.cache import LocalCache
 from dask_ddp.data.s3 import (
@@ -522,14 +524,10 @@ class ShardListDataset(Dataset):
                 "transform= takes a function, or (with keys=) one function or None per "
                 f"key; got {transform!r} for keys={keys!r}"
             )
-        if not isinstance(open_shards, int) or open_shards < 1:
-            raise ValueError(f"open_shards= must be an int >= 1, got {open_shards!r}")
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch= must be an int >= 0, got {prefetch!r}")
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries= must be an int >= 0, got {retries!r}")
-        if on_corrupt not in ("raise", "skip"):
-            raise ValueError(f"on_corrupt= must be 'raise' or 'skip', got {on_corrupt!r}")
+        check_int("open_shards", open_shards, 1)
+        check_int("prefetch", prefetch, 0)
+        check_int("retries", retries, 0)
+        check_on_corrupt(on_corrupt)
         self.decode = decode
         self.prefetch = prefetch
         self.keys = tuple(keys) if keys is not None else None
