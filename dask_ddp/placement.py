@@ -187,9 +187,12 @@ def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tupl
     'nccl'
     """
     no_gpu = [w for w in workers if w.gpu_count <= 0]
+    shared = _shared_gpu(workers)
     if requested is None:
         if no_gpu:
             return "gloo", f"no GPU on {no_gpu[0].address}"
+        if shared is not None:
+            return "gloo", shared[1]
         return "nccl", "every worker sees a GPU"
     backend = str(requested).lower()
     if backend == "nccl" and no_gpu:
@@ -199,7 +202,37 @@ def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tupl
             "nccl needs a CUDA GPU and this worker sees none",
             "Pass backend='gloo' (or backend=None to choose automatically).",
         )
+    if backend == "nccl" and shared is not None:
+        raise BackendUnavailableError(
+            "nccl",
+            shared[0],
+            shared[1] + " and nccl needs a GPU of its own for each rank",
+            "Run one worker per GPU on that host (dask-cuda's LocalCUDACluster does), or "
+            "pass backend='gloo'.",
+        )
     return backend, "requested"
+
+
+def _shared_gpu(workers: Sequence[WorkerInfo]) -> tuple[str, str] | None:
+    """A host whose ranks would have to share a GPU, if any: (a worker, why).
+
+    Workers that set their own ``CUDA_VISIBLE_DEVICES`` (dask-cuda) each lead with their
+    own GPU; others get one by local rank, so a host needs as many GPUs as ranks.
+
+    >>> _shared_gpu([WorkerInfo("tcp://a:1", "a", 1), WorkerInfo("tcp://a:2", "a", 1)])
+    ('tcp://a:1', 'host a has 2 ranks but 1 GPU')
+    """
+    by_host: dict[str, list[WorkerInfo]] = {}
+    for w in workers:
+        by_host.setdefault(w.host, []).append(w)
+    for host, ranks in by_host.items():
+        planned = [w for w in ranks if w.cuda_visible_devices is None]
+        gpus = min((w.gpu_count for w in ranks), default=0)
+        own = {w.cuda_visible_devices.split(",")[0] for w in ranks if w.cuda_visible_devices}
+        if len(planned) > gpus or len(own) < len(ranks) - len(planned):
+            plural = "" if gpus == 1 else "s"
+            return ranks[0].address, f"host {host} has {len(ranks)} ranks but {gpus} GPU{plural}"
+    return None
 
 
 def select_workers(

@@ -129,3 +129,19 @@ def test_errors_pickle() -> None:
         back = pickle.loads(pickle.dumps(exc))
         assert type(back) is type(exc)
         assert str(back) == str(exc)
+
+
+def test_ranks_that_would_share_a_gpu_get_gloo_or_a_clear_error() -> None:
+    one_gpu = [WorkerInfo("tcp://a:1", "a", 1), WorkerInfo("tcp://a:2", "a", 1)]
+    assert choose_backend(None, one_gpu) == ("gloo", "host a has 2 ranks but 1 GPU")
+    with pytest.raises(BackendUnavailableError, match="GPU of its own for each rank"):
+        choose_backend("nccl", one_gpu)
+    two_gpus = [WorkerInfo("tcp://a:1", "a", 2), WorkerInfo("tcp://a:2", "a", 2)]
+    assert choose_backend(None, two_gpus)[0] == "nccl"
+    dask_cuda = [  # each worker leads with its own GPU: fine
+        WorkerInfo("tcp://a:1", "a", 2, "0,1"),
+        WorkerInfo("tcp://a:2", "a", 2, "1,0"),
+    ]
+    assert choose_backend(None, dask_cuda)[0] == "nccl"
+    same_first = [WorkerInfo("tcp://a:1", "a", 2, "0,1"), WorkerInfo("tcp://a:2", "a", 2, "0,1")]
+    assert choose_backend(None, same_first)[0] == "gloo"
