@@ -25,7 +25,10 @@ import enum
 import itertools
 import logging
 import math
+import os
 import queue
+import re
+import sys
 import threading
 import time
 import traceback
@@ -33,6 +36,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
+import distributed
 from distributed import Client, Future, KilledWorker
 
 from . import bootstrap, checkpoint, events, view
@@ -678,7 +682,7 @@ class Job:
         self._show_rank_error(rank, f"{type(exc).__name__}: {exc}")
         if isinstance(exc, (PeerFailedError, RankAbortedError)):
             return exc
-        text = "".join(traceback.format_exception(type(exc), exc, fut.traceback()))
+        text = _user_traceback(exc, fut.traceback())
         error = RankFailedError(
             rank, self.workers[rank], fut.key, f"{type(exc).__name__}: {exc}", text
         )
@@ -708,7 +712,8 @@ class Job:
         self._error = error
         self._state = JobState.FAILED
         self._refresh_views()
-        logger.warning("job %s failed: %s", self.job_id, error)
+        # One line: the whole error, traceback included, is what result() raises.
+        logger.warning("job %s failed: %s", self.job_id, str(error).split("\n", 1)[0])
         self._stop(
             f"another rank failed ({type(error).__name__})",
             set(range(self.world_size)) - finished,
@@ -1054,6 +1059,28 @@ class Job:
         self._views.append(shown)
         if self._streams_closed:
             shown.update(self._snapshot())
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (sys.modules["dask_ddp"], distributed)
+)
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+
+
+def _user_traceback(exc: BaseException, tb: Any) -> str:
+    """The rank's traceback as its author wants it: their own frames, no dask_ddp or
+    distributed frames around them, and no ``^^^`` markers (the column positions do not
+    survive the trip from the worker, so they would point at the wrong place)."""
+    te = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    seen: set[int] = set()
+    part: traceback.TracebackException | None = te
+    while part is not None and id(part) not in seen:
+        seen.add(id(part))
+        kept = [f for f in part.stack if not f.filename.startswith(_LIBRARY_DIRS)]
+        part.stack = traceback.StackSummary.from_list(kept or list(part.stack))
+        part = part.__cause__ or part.__context__
+    lines = "".join(te.format()).splitlines(keepends=True)
+    return "".join(line for line in lines if not _CARETS.match(line))
 
 
 def _retryable(error: BaseException | None) -> bool:

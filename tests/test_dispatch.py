@@ -213,6 +213,10 @@ def test_failing_rank_fails_the_job_fast(own_cluster) -> None:
         assert err.rank == 1 and err.worker == job.workers[1] and err.key == job.futures[1].key
         assert "bad batch at step 5" in str(err)
         assert "_fail_at_step" in err.rank_traceback  # the rank's own frames
+        assert "bootstrap.py" not in err.rank_traceback  # not ours, nor distributed's
+        assert "distributed" not in err.rank_traceback
+        assert "^^^" not in err.rank_traceback  # columns do not survive the trip
+        assert err.rank_traceback.startswith("Traceback (most recent call last):")
         assert isinstance(err.__cause__, ValueError)
         assert job.state == dask_ddp.JobState.FAILED
         # The same cluster runs the next job.
