@@ -74,6 +74,7 @@ class _ActiveRank:
     running: bool = True
     abort_reason: str | None = None
     links: frozenset[int] = frozenset()  # socket fds the process group opened (gloo)
+    master: tuple[str, int] | None = None  # the job's store, to release its rendezvous
 
 
 # One rank per worker process at a time: the default process group, the environment and
@@ -154,6 +155,10 @@ def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(
             ctypes.c_ulong(active.thread_id), ctypes.py_object(_Abort)
         )
+    if active.master is not None:  # in case it waits at the rendezvous, in C++
+        threading.Thread(
+            target=_release_waiters, args=(active.master,), name="dask-ddp-release", daemon=True
+        ).start()
     logger.info("job %s: stopping rank %d: %s", job_id, active.rank, reason)
     return True
 
@@ -171,7 +176,13 @@ def _claim_slot(spec: RankSpec) -> Iterator[_ActiveRank]:
             )
         if not _slot_free.wait_for(lambda: _active is None, timeout=spec.rendezvous_timeout):
             raise WorkerBusyError(spec.placement.worker, _active.key)
-        _active = _ActiveRank(spec.job_id, spec.key, spec.placement.rank, threading.get_ident())
+        _active = _ActiveRank(
+            spec.job_id,
+            spec.key,
+            spec.placement.rank,
+            threading.get_ident(),
+            master=(spec.master_addr, spec.master_port),
+        )
         slot = _active
     try:
         yield slot
@@ -332,6 +343,29 @@ def _rendezvous(store: Any, spec: RankSpec, stage: str = "joined") -> None:
             spec.rendezvous_timeout,
             f"only {reached} of {world} ranks {stage}",
         ) from exc
+    if store.get(ready) == _ABORTED:  # abort_rank released the waiters: stop here
+        raise RankAbortedError(spec.placement.rank, spec.job_id, "stopped while ranks gathered")
+
+
+_ABORTED = b"aborted"
+_STAGES = ("joined", "initialised")
+
+
+def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
+    """Wake every rank of a job that waits in :func:`_rendezvous`, marked as aborted.
+
+    A thread inside the C++ ``store.wait`` cannot take the asynchronous exception that
+    :func:`abort_rank` raises; without this a cancelled job's ranks would wait out the
+    rendezvous timeout and cost their workers a restart.
+    """
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=timeout))
+        for stage in _STAGES:
+            store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
+    except Exception:  # the store is gone: nobody waits on it
+        logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
 
 
 def _socket_fds() -> set[int]:

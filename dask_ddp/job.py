@@ -732,11 +732,13 @@ class Job:
         finished |= gone
         self._silent |= gone  # no final marker will come from them
         targets = sorted({self.workers[r] for r in running - gone})
+        idle: set[str] = set()  # workers where no rank of this job runs (queued, or done)
         if targets:
             try:
-                client.run(
+                aborted = client.run(
                     bootstrap.abort_rank, self._run_id, reason, workers=targets, on_error="ignore"
                 )
+                idle = {w for w, stopped in aborted.items() if stopped is False}
             except Exception:
                 logger.debug("job %s: abort request failed", self.job_id, exc_info=True)
         deadline = time.monotonic() + self._grace
@@ -747,7 +749,9 @@ class Job:
                 break
             if kind == "done":
                 finished.add(rank)
-        stuck = sorted({self.workers[r] for r in running - finished})
+        # A rank whose task has not started (queued behind other tasks on its worker) is
+        # only cancelled: restarting its worker would kill the tasks it waits for.
+        stuck = sorted({self.workers[r] for r in running - finished} - idle)
         client.cancel(self.futures)
         if stuck:
             logger.warning(

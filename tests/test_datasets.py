@@ -8,6 +8,9 @@ import random
 import signal
 
 import dask
+import dask.array as da
+import dask.bag as db
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
@@ -25,10 +28,6 @@ from dask_ddp.data import (
     UnsupportedCollectionError,
 )
 from dask_ddp.data.collections import _plan_pieces
-
-dd = pytest.importorskip("dask.dataframe")
-db = pytest.importorskip("dask.bag")
-da = pytest.importorskip("dask.array")
 
 
 def _frame(n: int) -> pd.DataFrame:

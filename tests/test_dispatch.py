@@ -321,3 +321,27 @@ def test_public_names() -> None:
     }
     assert public == set(dask_ddp.__all__) - {"__version__"}
     assert dask_ddp.dispatch.run is dask_ddp.run
+
+
+def test_cancel_releases_a_rank_waiting_for_its_peers(client: Client) -> None:
+    _, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    blocker = Event("cancel-blocker", client=client)
+    busy = client.submit(_hold_plain, "cancel-blocker", workers=[w1], pure=False)
+    pids = client.run(os.getpid)
+    job = dask_ddp.launch(client, _spin_forever)
+    waiting = 1 - job.workers.index(w1)  # in the C++ store wait, for the rank that cannot start
+    with job._cond:
+        assert job._cond.wait_for(
+            lambda: job._snapshot()["ranks"][waiting]["status"] == "joining", timeout=60
+        )
+    start = time.monotonic()
+    job.cancel()
+    assert time.monotonic() - start < 10
+    blocker.set()
+    assert busy.result(timeout=60) == "held"
+    assert client.run(os.getpid) == pids  # stopped without restarting its worker
+
+
+def _hold_plain(name: str) -> str:
+    Event(name).wait(timeout=60)
+    return "held"
