@@ -9,6 +9,10 @@ it pickles back from a DataLoader worker or a Dask worker, and builds its messag
 
 from __future__ import annotations
 
+import logging
+import os
+from collections import Counter
+
 from dask_ddp.errors import DaskDDPError
 
 __all__ = [
@@ -277,3 +281,44 @@ def check_on_corrupt(value: object) -> None:
     """Raise ValueError unless ``value`` is ``"raise"`` or ``"skip"``."""
     if value not in ("raise", "skip"):
         raise ValueError(f"on_corrupt= must be 'raise' or 'skip', got {value!r}")
+
+
+class CorruptSamples:
+    """The samples found corrupt in this process, for ``on_corrupt="skip"``.
+
+    Each DataLoader worker learns its own (the set is not pickled with the dataset); a
+    corrupt sample is replaced by the next readable one, cyclically. Warnings go to
+    ``log``, the dataset module's logger.
+
+    >>> bad = CorruptSamples(logging.getLogger("dask_ddp.data.s3"))
+    >>> bad.mark(1, CorruptSampleError("s3://b/1.jpg", "truncated"), Counter())
+    >>> 1 in bad, bad.next_readable(0, 3, "s3://b")
+    (True, 2)
+    """
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._log = log
+        self._indices: set[int] = set()
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._indices
+
+    def mark(self, index: int, err: CorruptSampleError, stats: Counter[str]) -> None:
+        """Remember ``index`` as corrupt, count it in ``stats`` and log it."""
+        self._indices.add(index)
+        stats["corrupt"] += 1
+        self._log.warning(
+            "skipping corrupt sample %s (%d corrupt so far in process %d): %s",
+            err.url,
+            stats["corrupt"],
+            os.getpid(),
+            err.cause,
+        )
+
+    def next_readable(self, index: int, n: int, source: str) -> int:
+        """The first index after ``index`` (cyclically, of ``n``) not known to be corrupt."""
+        for step in range(1, n + 1):
+            j = (index + step) % n
+            if j not in self._indices:
+                return j
+        raise NoSamplesError(source, f"all {n} samples failed to decode")

@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 from dask_ddp import _status
 from dask_ddp.data._errors import (
     CorruptSampleError,
+    CorruptSamples,
     DataNotFoundError,
     NoSamplesError,
     SampleFetchError,
@@ -234,7 +235,7 @@ class FileDataset(Dataset):
         self._fs: fsspec.AbstractFileSystem | None = None
         self._pid: int | None = None
         self._stats: Counter[str] = Counter()
-        self._bad: set[int] = set()
+        self._bad = CorruptSamples(logger)
 
         start = time.perf_counter()
         if root_url is not None:
@@ -327,7 +328,7 @@ class FileDataset(Dataset):
         state["_fs"] = None  # a client holds sockets and an event loop; rebuild it there
         state["_pid"] = None
         state["_stats"] = Counter()
-        state["_bad"] = set()
+        state["_bad"] = CorruptSamples(logger)
         return state
 
     # -- reading ------------------------------------------------------------------------
@@ -363,7 +364,7 @@ class FileDataset(Dataset):
             i %= n
             if i in self._bad:  # known corrupt (on_corrupt="skip"): read its substitute
                 self._stats["skipped"] += 1
-                i = self._next_readable(i)
+                i = self._bad.next_readable(i, n, self.root)
             wanted.append(i)
         unique = list(dict.fromkeys(wanted))
         data = dict(zip(unique, self._read(unique), strict=True))
@@ -431,7 +432,7 @@ class FileDataset(Dataset):
         except CorruptSampleError as err:
             if self.on_corrupt == "raise":
                 raise
-            self._mark_bad(index, err)
+            self._bad.mark(index, err, self._stats)
             return self._substitute(index)
         return self._finish(index, obj)
 
@@ -449,36 +450,16 @@ class FileDataset(Dataset):
         """Turn a decoded object into the sample returned; subclasses override this."""
         return obj if self.transform is None else self.transform(obj)
 
-    def _mark_bad(self, index: int, err: CorruptSampleError) -> None:
-        self._bad.add(index)
-        self._stats["corrupt"] += 1
-        logger.warning(
-            "skipping corrupt sample %s (%d corrupt so far in process %d): %s",
-            err.url,
-            self._stats["corrupt"],
-            os.getpid(),
-            err.cause,
-        )
-
-    def _next_readable(self, index: int) -> int:
-        """The first index after ``index`` (cyclically) not known to be corrupt."""
-        n = len(self)
-        for step in range(1, n + 1):
-            j = (index + step) % n
-            if j not in self._bad:
-                return j
-        raise NoSamplesError(self.root, f"all {n} samples failed to decode")
-
     def _substitute(self, index: int) -> Any:
         """The next readable sample after the corrupt ``index`` (on_corrupt='skip')."""
         self._stats["skipped"] += 1
         while True:
-            j = self._next_readable(index)
+            j = self._bad.next_readable(index, len(self), self.root)
             data = self._read([j])[0]
             try:
                 obj = self._decode(j, data)
             except CorruptSampleError as err:
-                self._mark_bad(j, err)
+                self._bad.mark(j, err, self._stats)
                 index = j
                 continue
             return self._finish(j, obj)

@@ -57,6 +57,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from dask_ddp.data._errors import (
     CorruptSampleError,
+    CorruptSamples,
     CorruptShardError,
     DataNotFoundError,
     MissingFieldError,
@@ -616,7 +617,7 @@ class ShardListDataset(Dataset):
         self._lock = threading.RLock()  # the open shards and the foreground counters
         self._stats_lock = threading.Lock()  # the counters the prefetch thread moves too
         self._stats: Counter[str] = Counter()
-        self._bad: set[int] = set()
+        self._bad = CorruptSamples(logger)
         self._warned = False
         self._plan_pos = 0
         self._prefetcher: _Prefetcher | None = None
@@ -755,7 +756,7 @@ class ShardListDataset(Dataset):
         self._this_process()
         if i in self._bad:
             self._stats["skipped"] += 1
-            i = self._next_readable(i)
+            i = self._bad.next_readable(i, self._len, self.source)
         while True:
             raw = self._raw(i)
             try:
@@ -763,9 +764,9 @@ class ShardListDataset(Dataset):
             except CorruptSampleError as err:
                 if self.on_corrupt == "raise":
                     raise
-                self._mark_bad(i, err)
+                self._bad.mark(i, err, self._stats)
                 self._stats["skipped"] += 1
-                i = self._next_readable(i)
+                i = self._bad.next_readable(i, self._len, self.source)
                 continue
             return self._finish(sample, raw)
 
@@ -998,24 +999,6 @@ class ShardListDataset(Dataset):
                 return sample[name]
         available = tuple(k for k in sample if not k.startswith("__"))
         raise MissingFieldError(raw["__shard__"], raw["__key__"], wanted, available)
-
-    def _mark_bad(self, i: int, err: CorruptSampleError) -> None:
-        self._bad.add(i)
-        self._stats["corrupt"] += 1
-        logger.warning(
-            "skipping corrupt sample %s (%d corrupt so far in process %d): %s",
-            err.url,
-            self._stats["corrupt"],
-            os.getpid(),
-            err.cause,
-        )
-
-    def _next_readable(self, i: int) -> int:
-        for step in range(1, self._len + 1):
-            j = (i + step) % self._len
-            if j not in self._bad:
-                return j
-        raise NoSamplesError(self.source, f"all {self._len} samples failed to decode")
 
     def __repr__(self) -> str:
         shards = len(self._shards)
