@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -37,7 +38,9 @@ _RANK_TRIM = 2 * _RANK_MMAP  # the trim threshold glibc pairs with it
 _VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """libc, once per process (``find_library`` runs ``ldconfig``: ~2 ms a call)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt, libc.malloc_trim  # noqa: B018 -- glibc only
