@@ -28,11 +28,20 @@ class _MallInfo2(ctypes.Structure):
 
 
 def mmapped_by_a_1mib_allocation() -> dict:
-    """Whether a 1 MiB allocation becomes its own mmap here, and the malloc variables."""
+    """Whether a fresh allocation of 1 MiB or more becomes its own mmap here, and the
+    malloc variables.
+
+    The allocation is 1 MiB larger than all the free memory malloc holds (``fordblks``):
+    freed chunks that earlier work left in its bins cannot serve it, so only the mmap
+    threshold decides (below the rank's 32 MiB, above the worker's 128 KiB).
+    """
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
-    before = libc.mallinfo2().hblks
-    block = bytearray(1 << 20)
+    info = libc.mallinfo2()
+    size = info.fordblks + (1 << 20)
+    assert size < 32 << 20, f"{info.fordblks} bytes free in malloc's bins: no probe fits"
+    before = info.hblks
+    block = bytearray(size)
     mmapped = libc.mallinfo2().hblks > before
     del block
     return {"mmapped": mmapped, "env": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
