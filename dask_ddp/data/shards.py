@@ -71,9 +71,9 @@ from dask_ddp.data._errors import (
 )
 from dask_ddp.data.cache import LocalCache
 from dask_ddp.data.s3 import (
-    _CLIENTS,
     IMG_EXTENSIONS,
     _endpoint_of,
+    _new_filesystem,
     _protocol_of,
     _storage_options,
     decode_image,
@@ -331,15 +331,6 @@ def _pread(f: BinaryIO, size: int, offset: int) -> bytes:
         return os.pread(f.fileno(), size, offset)
     f.seek(offset)  # pragma: no cover - Windows; callers hold the dataset's lock
     return f.read(size)  # pragma: no cover
-
-
-def _new_filesystem(protocol: str, options: Mapping[str, Any], retries: int):
-    """A new fsspec filesystem, registered so that forked children never close it."""
-    fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-    if protocol == "s3":
-        fs.retries = 1 + min(retries, 2)  # s3fs's loop around botocore's retries
-    _CLIENTS[id(fs)] = fs  # see dask_ddp.data.s3: kept alive, never closed, in children
-    return fs
 
 
 def _default_cache_dir() -> Path:

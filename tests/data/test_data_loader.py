@@ -78,6 +78,41 @@ def test_forked_process_gets_its_own_client(s3_endpoint, s3_client, bucket):
     assert ds[0] == b"alpha"
 
 
+def _loader_in_child(ds: FileDataset, queue: multiprocessing.Queue) -> None:
+    ds[0]
+    queue.put(id(ds._filesystem().session.get_component("data_loader")))
+
+
+def test_clients_share_botocores_parsed_models_through_fork(s3_endpoint, s3_client, bucket):
+    # A new botocore session parses the S3 model again (about 60 ms of CPU); every
+    # DataLoader worker pays it on its first read unless it inherits the parent's.
+    s3_client.put_object(Bucket=bucket, Key="m/a.bin", Body=b"alpha")
+    ds = FileDataset(f"s3://{bucket}/m", endpoint_url=s3_endpoint)
+    other = FileDataset(f"s3://{bucket}/m", endpoint_url=s3_endpoint)
+    loader = ds._filesystem().session.get_component("data_loader")
+    assert ds._filesystem().session is not other._filesystem().session
+    assert other._filesystem().session.get_component("data_loader") is loader
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_loader_in_child, args=(ds, queue))
+    child.start()
+    assert queue.get(timeout=60) == id(loader)  # the child's new client, the same loader
+    child.join(timeout=60)
+    assert child.exitcode == 0
+
+
+def test_a_session_in_storage_options_is_used_as_given(s3_endpoint, s3_client, bucket):
+    import aiobotocore.session
+
+    s3_client.put_object(Bucket=bucket, Key="m/a.bin", Body=b"alpha")
+    session = aiobotocore.session.AioSession()
+    ds = FileDataset(
+        f"s3://{bucket}/m", endpoint_url=s3_endpoint, storage_options={"session": session}
+    )
+    assert ds[0] == b"alpha"
+    assert ds._filesystem().session is session
+
+
 async def _collect() -> None:
     gc.collect()
 
