@@ -288,7 +288,7 @@ class LocalCache:
             )
             return deleted
         finally:
-            os.close(lock)  # releases the flock
+            _unlock_and_close(lock)
 
     def _entries(self) -> tuple[list[tuple[float, int, str]], int]:
         """``(mtime, size, path)`` of every entry, and their total size."""
@@ -332,7 +332,7 @@ class LocalCache:
             yield
         finally:
             for fd in fds:
-                os.close(fd)  # closing the descriptor releases its flock
+                _unlock_and_close(fd)
 
     def get_many(
         self,
@@ -379,3 +379,18 @@ class LocalCache:
                         if isinstance(data, bytes):
                             self.write(keys[i], data)
         return out, hits  # type: ignore[return-value]
+
+
+def _unlock_and_close(fd: int) -> None:
+    """Release an ``flock`` explicitly, then close the descriptor.
+
+    Closing alone is not enough when a thread holds the lock while its process forks (a
+    prefetch thread while the DataLoader starts its workers): the child's copy of the
+    descriptor would keep the lock held until the child exits, and the child waits for
+    that very lock when it needs the entry. ``LOCK_UN`` releases it for every copy.
+    """
+    try:
+        with suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

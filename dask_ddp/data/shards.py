@@ -439,8 +439,9 @@ class ShardListDataset(Dataset):
     each process has one or two shards open at a time. A sampler that jumps between shards
     at random (``DistributedSampler``) makes a process open, and on a cold host download, a
     shard for most samples; :meth:`get_stats` counts this and a warning says so. The
-    sampler also tells the dataset each epoch's shard order, so that every DataLoader
-    worker downloads the next shard in the background while it reads the current one.
+    sampler also tells the dataset each epoch's shard order, so that the first shard
+    downloads as the epoch starts and every reading process (each DataLoader worker)
+    downloads the next shard in the background while it reads the current one.
 
     Parameters
     ----------
@@ -486,8 +487,8 @@ class ShardListDataset(Dataset):
     open_shards : int, default 16
         How many shards each process keeps open (an LRU of file handles and indexes).
     prefetch : int, default 1
-        In DataLoader worker processes, how many shards to download ahead, in a background
-        thread, in the order :class:`DistributedChunkedSampler` announces (see
+        How many shards each reading process downloads ahead, in a background thread, in
+        the order :class:`DistributedChunkedSampler` announces (see
         :meth:`set_shard_order`); 0 turns this off. The cache must hold them too.
     retries : int, default 8
         S3 only: extra attempts for a transiently failed request, with backoff.
@@ -725,12 +726,13 @@ class ShardListDataset(Dataset):
         """Say in which order the shards will be read, so that workers download ahead.
 
         :class:`DistributedChunkedSampler` calls this for you (at construction and in
-        ``set_epoch``), before the DataLoader starts its workers. A DataLoader worker
-        started afterwards keeps the next ``prefetch`` shards of ``order`` downloading in
-        a background thread while it reads the current one. It stops prefetching when its
-        reads leave the order (a stale order in ``persistent_workers``, another sampler).
-        Only DataLoader worker processes prefetch: a thread holding a cache lock in a
-        process that forks could leave the lock held in the child.
+        ``set_epoch``), before the DataLoader starts its workers, and starts the
+        download of the first shards when the DataLoader iterates it (in the rank's
+        process, while the workers start). Each process that reads samples (a DataLoader
+        worker started afterwards, or the rank itself with ``num_workers=0``) keeps the
+        next ``prefetch`` shards of ``order`` downloading in a background thread while
+        it reads the current one. It stops prefetching when its reads leave the order (a
+        stale order in ``persistent_workers``, another sampler).
 
         Parameters
         ----------
@@ -760,8 +762,6 @@ class ShardListDataset(Dataset):
         if plan is None or not self.prefetch or self._protocol == "file":
             return
         if self._prefetcher is None:
-            if torch.utils.data.get_worker_info() is None:
-                return  # not a DataLoader worker: see set_shard_order
             self._prefetcher = _Prefetcher(self)
         try:
             pos = plan.index(s, self._plan_pos)
@@ -777,6 +777,22 @@ class ShardListDataset(Dataset):
             return
         self._plan_pos = pos
         self._prefetcher.want([k for k in plan[pos + 1 : pos + 1 + self.prefetch] if k != s])
+
+    def _start_prefetch(self) -> None:
+        """Start downloading the order's first shards (the sampler is being iterated).
+
+        With DataLoader workers, this runs in the process that iterates the sampler just
+        after the workers start, on its warm connection, while they get ready; without
+        workers, it is the reading process's own prefetch.
+        """
+        plan = self._plan
+        if plan is None or not self.prefetch or self._protocol == "file":
+            return
+        self._this_process()
+        if self._prefetcher is None:
+            self._prefetcher = _Prefetcher(self)
+        self._plan_pos = 0
+        self._prefetcher.want(list(plan[: 1 + self.prefetch]))
 
     def _prefetch(self, s: int) -> None:
         """Download shard ``s`` into the host's cache unless it is there (prefetch thread)."""
@@ -879,8 +895,8 @@ class ShardListDataset(Dataset):
             return shard
         self._stats["shard_opens"] += 1
         self._check_access_pattern()
-        self._advance_plan(s)
         f = self._open_file(s)
+        self._advance_plan(s)  # after: the next shard must not slow this one's download
         try:
             samples = self._indexes.get(s)
             if samples is None:
@@ -1085,6 +1101,7 @@ class _Prefetcher:
     def __init__(self, dataset: ShardListDataset) -> None:
         self.dataset = dataset
         self.wanted: list[int] = []
+        self.busy = False
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
         self.thread.start()
@@ -1092,7 +1109,12 @@ class _Prefetcher:
     def want(self, shards: list[int]) -> None:
         with self.cond:
             self.wanted = list(shards)
-            self.cond.notify()
+            self.cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is wanted or downloading; False on timeout."""
+        with self.cond:
+            return self.cond.wait_for(lambda: not (self.wanted or self.busy), timeout)
 
     def _run(self) -> None:
         while True:
@@ -1100,10 +1122,15 @@ class _Prefetcher:
                 while not self.wanted:
                     self.cond.wait()
                 s = self.wanted.pop(0)
+                self.busy = True
             try:
                 self.dataset._prefetch(s)
             except Exception as err:  # the worker's own read of it raises the error
                 logger.debug("prefetching shard %d failed (the read will retry): %s", s, err)
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
 
 
 # -- the sampler ------------------------------------------------------------------------
@@ -1224,8 +1251,9 @@ class DistributedChunkedSampler(Sampler[int]):
         """Set the epoch, which seeds this epoch's order on every rank.
 
         With a :class:`ShardListDataset`, this also tells the dataset the order of the
-        shards this epoch (:meth:`ShardListDataset.set_shard_order`), so that DataLoader
-        workers started afterwards download the next shard while reading one.
+        shards this epoch (:meth:`ShardListDataset.set_shard_order`), so that its first
+        shard downloads as the epoch starts and each reading process downloads the next
+        shard while it reads one.
         """
         self.epoch = int(epoch)
         self._share_order()
@@ -1234,7 +1262,11 @@ class DistributedChunkedSampler(Sampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._order().tolist())
+        order = self._order().tolist()
+        start_prefetch = getattr(self._dataset, "_start_prefetch", None)
+        if start_prefetch is not None:
+            start_prefetch()
+        return iter(order)
 
     def _order(self) -> np.ndarray:
         """This epoch's indices for this rank (computed once per epoch)."""

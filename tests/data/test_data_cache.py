@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import multiprocessing.synchronize
+import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -110,3 +113,38 @@ def test_local_cache_is_atomic(tmp_path):
     assert cache.read("b") is None  # errors are not cached
     assert cache.read("a", size=3) is None  # a size mismatch counts as missing
     assert not list(tmp_path.rglob("*.part"))
+
+
+def _lock_is_free_in_child(cache: LocalCache, released: multiprocessing.synchronize.Event) -> None:
+    assert released.wait(30)  # the parent's thread has finished its download
+    fd = os.open(cache.path("k").with_suffix(".lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: still held
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_held_while_the_process_forks_is_released_for_the_child(tmp_path):
+    # A prefetch thread can hold an entry's lock when the DataLoader forks its workers.
+    # The child inherits a copy of the lock's descriptor; when the thread is done, the
+    # lock must be free, or the child (or any other process) waits for it forever.
+    cache = LocalCache(tmp_path)
+    downloading, finish = threading.Event(), threading.Event()
+
+    def download(path: Path) -> None:
+        downloading.set()
+        assert finish.wait(30)
+        path.write_bytes(b"data")
+
+    thread = threading.Thread(target=lambda: cache.open_file("k", download)[0].close())
+    thread.start()
+    assert downloading.wait(30)
+    ctx = multiprocessing.get_context("fork")
+    released = ctx.Event()
+    child = ctx.Process(target=_lock_is_free_in_child, args=(cache, released))
+    child.start()  # while the thread holds the lock
+    finish.set()
+    thread.join(30)
+    released.set()
+    child.join(30)
+    assert child.exitcode == 0

@@ -531,10 +531,37 @@ def test_workers_download_the_next_shard_ahead(s3_endpoint, bucket, tmp_path, fl
     items = list(loader)
     assert [int(cls) for (cls,), _ in items] == list(sampler)
     stats = items[-1][1]  # the worker's counters after its last read
-    assert stats["downloads"] == 6  # the worker downloaded each shard once, ...
+    ds._prefetcher.wait_idle(30)
+    # Each shard was downloaded once on the host: the first ones by this process as the
+    # epoch started (see the next test), the rest by the worker, ...
+    assert stats["downloads"] + ds.get_stats()["downloads"] == 6
     assert stats["cache_hits"] >= 1  # ... most of them before it opened them
     assert stats["shard_opens"] == 6
     assert len(cached_shards(tmp_path)) == 6
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 0])
+def test_iterating_the_sampler_starts_the_first_downloads(s3_endpoint, bucket, tmp_path, prefetch):
+    # The rank's process fetches the epoch's first shard while its DataLoader workers
+    # start (and the next ones, as far as prefetch= reaches), on its warm connection.
+    write_shards([{"cls": i} for i in range(40)], f"s3://{bucket}/head", maxcount=10,
+                 endpoint_url=s3_endpoint)  # fmt: skip
+    ds = ShardListDataset(
+        f"s3://{bucket}/head/shards.json", endpoint_url=s3_endpoint, cache_dir=tmp_path,
+        prefetch=prefetch,
+    )  # fmt: skip
+    sampler = DistributedChunkedSampler(ds, num_replicas=1, rank=0, seed=1)
+    assert cached_shards(tmp_path) == [] and ds._prefetcher is None
+    first = next(iter(sampler))
+    if prefetch == 0:
+        assert ds._prefetcher is None
+        return
+    assert ds._prefetcher.wait_idle(30)
+    stats = ds.get_stats()
+    assert (stats["requested"], stats["downloads"]) == (0, 1 + prefetch)
+    assert len(cached_shards(tmp_path)) == 1 + prefetch
+    ds[first]
+    assert ds.get_stats()["cache_hits"] == 1  # the first read found its shard on disk
 
 
 def test_pickle_drops_open_files(shard_dir):
