@@ -727,12 +727,13 @@ class ShardListDataset(Dataset):
 
         :class:`DistributedChunkedSampler` calls this for you (at construction and in
         ``set_epoch``), before the DataLoader starts its workers, and starts the
-        download of the first shards when the DataLoader iterates it (in the rank's
-        process, while the workers start). Each process that reads samples (a DataLoader
-        worker started afterwards, or the rank itself with ``num_workers=0``) keeps the
-        next ``prefetch`` shards of ``order`` downloading in a background thread while
-        it reads the current one. It stops prefetching when its reads leave the order (a
-        stale order in ``persistent_workers``, another sampler).
+        download of the first shards in ``set_epoch`` and when the DataLoader iterates
+        it (in the rank's process, while the workers start). Each process that reads
+        samples (a DataLoader worker started afterwards, or the rank itself with
+        ``num_workers=0``) keeps the next ``prefetch`` shards of ``order`` downloading in
+        a background thread while it reads the current one. It stops prefetching when
+        its reads leave the order (a stale order in ``persistent_workers``, another
+        sampler).
 
         Parameters
         ----------
@@ -779,11 +780,12 @@ class ShardListDataset(Dataset):
         self._prefetcher.want([k for k in plan[pos + 1 : pos + 1 + self.prefetch] if k != s])
 
     def _start_prefetch(self) -> None:
-        """Start downloading the order's first shards (the sampler is being iterated).
+        """Start downloading the order's first shards (a new epoch is starting).
 
-        With DataLoader workers, this runs in the process that iterates the sampler just
-        after the workers start, on its warm connection, while they get ready; without
-        workers, it is the reading process's own prefetch.
+        The sampler calls this in the rank's process from ``set_epoch`` and when it is
+        iterated: the downloads run on the process's warm connection while the DataLoader
+        starts its workers, who find the shards on disk or being written; without
+        workers, this is the reading process's own prefetch.
         """
         plan = self._plan
         if plan is None or not self.prefetch or self._protocol == "file":
@@ -1251,21 +1253,28 @@ class DistributedChunkedSampler(Sampler[int]):
         """Set the epoch, which seeds this epoch's order on every rank.
 
         With a :class:`ShardListDataset`, this also tells the dataset the order of the
-        shards this epoch (:meth:`ShardListDataset.set_shard_order`), so that its first
-        shard downloads as the epoch starts and each reading process downloads the next
-        shard while it reads one.
+        shards this epoch (:meth:`ShardListDataset.set_shard_order`) and starts
+        downloading the first of them in this process, in the background, while the
+        DataLoader starts its workers; each reading process then downloads the next
+        shard while it reads one. Call it in the process that trains (the rank), as
+        ``DistributedSampler.set_epoch``.
         """
         self.epoch = int(epoch)
         self._share_order()
+        self._start_prefetch()
+
+    def _start_prefetch(self) -> None:
+        """Have the dataset start downloading this epoch's first shards, here."""
+        start_prefetch = getattr(self._dataset, "_start_prefetch", None)
+        if start_prefetch is not None:
+            start_prefetch()
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
         order = self._order().tolist()
-        start_prefetch = getattr(self._dataset, "_start_prefetch", None)
-        if start_prefetch is not None:
-            start_prefetch()
+        self._start_prefetch()
         return iter(order)
 
     def _order(self) -> np.ndarray:

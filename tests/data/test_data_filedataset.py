@@ -16,6 +16,7 @@ from dask_ddp.data import (
     FileDataset,
     NoSamplesError,
 )
+from dask_ddp.data.s3 import _storage_options
 
 
 def load_npy(data: bytes) -> np.ndarray:
@@ -111,3 +112,20 @@ def test_bad_urls(arrays: Path):
         FileDataset([str(arrays / "a"), "s3://bucket/b"])
     with pytest.raises(ValueError, match="empty list"):
         FileDataset([])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "user", "verify"),
+    [
+        ("http://10.0.0.5:9000", {}, False),  # plain HTTP: no CA bundle to load
+        ("https://s3.example.com", {}, None),  # TLS: botocore's default, verified
+        (None, {}, None),  # AWS
+        (None, {"endpoint_url": "http://minio:9000"}, False),
+        ("http://10.0.0.5:9000", {"client_kwargs": {"verify": "/ca.pem", "x": 1}}, "/ca.pem"),
+    ],
+)
+def test_tls_verification_is_skipped_only_without_tls(endpoint, user, verify):
+    options = _storage_options("s3", endpoint, None, user, 10, 8)
+    assert options.get("client_kwargs", {}).get("verify") == verify
+    if "client_kwargs" in user:
+        assert options["client_kwargs"] == user["client_kwargs"]  # the user's, untouched
