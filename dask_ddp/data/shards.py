@@ -279,52 +279,75 @@ _ZERO_BLOCK = bytes(512)
 def _scan_plain_tar(f: BinaryIO, end: int) -> tuple[list[str], array, array] | None:
     """The names, data offsets and sizes of a tar's members, if all are plain ustar headers.
 
-    A fast path for what :func:`write_shards` and webdataset write: about 10 times
+    A fast path for what :func:`write_shards` and webdataset write: about 20 times
     faster than :mod:`tarfile`, which checksums and decodes every header field in Python.
-    Every header's checksum is still verified (in one NumPy pass). Returns None, so that
-    the caller falls back to :mod:`tarfile`, at the first header that is not a regular
-    file with a plain name and size (pax or GNU extension headers, links, directories,
-    base-256 sizes) or whose checksum fails.
+    Only the walk from header to header is a Python loop (it needs each size); the other
+    fields of all headers are read and checked at once with NumPy, every checksum
+    included. Returns None, so that the caller falls back to :mod:`tarfile`, when a
+    header is not a regular file with a plain name and an octal size (pax or GNU extension
+    headers, links, directories, base-256 sizes) or its checksum fails.
     """
     if end < 512:
         return None
-    names: list[str] = []
-    offsets, sizes = array("q"), array("q")
+    starts, sizes = array("q"), array("q")
     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         pos = 0
-        while pos + 512 <= end:
-            if buf[pos] == 0 and buf[pos : pos + 512] == _ZERO_BLOCK:
-                pos = end  # the end-of-archive marker
-                break
-            if buf[pos + 156] not in (0x30, 0):  # typeflag "0" or NUL: a regular file
-                return None
-            try:
-                size = int(buf[pos + 124 : pos + 136].split(b"\0", 1)[0].strip() or b"0", 8)
-            except ValueError:
-                return None
-            name = buf[pos : pos + 100].split(b"\0", 1)[0]
-            if buf[pos + 257 : pos + 262] == b"ustar":
-                prefix = buf[pos + 345 : pos + 500].split(b"\0", 1)[0]
-                if prefix:
-                    name = prefix + b"/" + name
-            names.append(name.decode("utf-8", "surrogateescape"))
-            offsets.append(pos + 512)
-            sizes.append(size)
-            pos += 512 + -(-size // 512) * 512
-        if not names or pos != end:  # empty, or cut short: tarfile says how
-            return None
-        headers = np.frombuffer(offsets, dtype=np.int64) - 512
-        blocks = np.frombuffer(buf, dtype=np.uint8)[headers[:, None] + np.arange(512)]
-        stored = b"".join(buf[p + 148 : p + 156] for p in headers.tolist())
-    blocks[:, 148:156] = 0x20  # the checksum field counts as spaces
-    sums = blocks.sum(axis=1, dtype=np.int64).tolist()
-    for k, got in enumerate(sums):
         try:
-            if int(stored[8 * k : 8 * k + 8].split(b"\0", 1)[0].strip() or b"-1", 8) != got:
-                return None
+            while pos + 512 <= end:
+                if buf[pos] == 0 and buf[pos : pos + 512] == _ZERO_BLOCK:
+                    pos = end  # the end-of-archive marker
+                    break
+                size = int(buf[pos + 124 : pos + 135], 8)  # 11 octal digits, then NUL
+                starts.append(pos)
+                sizes.append(size)
+                pos += 512 + -(-size // 512) * 512
         except ValueError:
+            return None  # a size field in another form: let tarfile read it
+        if not starts or pos != end:  # empty, or cut short: tarfile says how
             return None
-    return names, offsets, sizes
+        at = np.frombuffer(starts, dtype=np.int64)
+        blocks = np.frombuffer(buf, dtype=np.uint8, count=end // 512 * 512).reshape(-1, 512)
+        heads = blocks[at // 512]  # a copy: tar headers start on 512-byte blocks
+        del blocks  # the mmap closes only when no view of it is left
+    if not (
+        np.isin(heads[:, 156], (0x30, 0)).all()  # typeflag "0" or NUL: a regular file
+        and np.isin(heads[:, 135], (0, 0x20)).all()  # the size field ended after 11 digits
+        and _checksums_match(heads)
+    ):
+        return None
+    names = _field_strings(heads[:, :100])
+    prefixed = np.flatnonzero((heads[:, 257:262] == np.frombuffer(b"ustar", np.uint8)).all(1)
+                               & (heads[:, 345] != 0))  # fmt: skip
+    if names is None or (len(prefixed) and (prefixes := _field_strings(heads[:, 345:500])) is None):
+        return None
+    for k in prefixed.tolist():
+        names[k] = prefixes[k] + b"/" + names[k]
+    return [n.decode("utf-8", "surrogateescape") for n in names], array("q", at + 512), sizes
+
+
+def _field_strings(fields: np.ndarray) -> list[bytes] | None:
+    """Each row of NUL-padded header fields as bytes; None if a NUL is followed by more."""
+    nul = fields == 0
+    if (nul[:, :-1] & ~nul[:, 1:]).any():
+        return None  # tarfile would cut at the first NUL; let it
+    return np.ascontiguousarray(fields).view(f"S{fields.shape[1]}").ravel().tolist()
+
+
+def _checksums_match(heads: np.ndarray) -> bool:
+    """Whether every header's checksum field (octal digits, then NUL or space) is right."""
+    field = heads[:, 148:156].astype(np.int64) - 0x30
+    run = np.cumprod((field >= 0) & (field <= 7), axis=1)  # 1 while the digits go on
+    ndigits = run.sum(axis=1)
+    if (ndigits == 0).any():
+        return False  # leading spaces or the like: tarfile decides
+    ends = heads[np.arange(len(heads)), 148 + np.minimum(ndigits, 7)]
+    if not ((ndigits == 8) | (ends == 0) | (ends == 0x20)).all():
+        return False
+    power = np.clip(ndigits[:, None] - 1 - np.arange(8), 0, None)
+    stored = (field * run * 8**power).sum(axis=1)
+    # The sum of the header's bytes, its checksum field counted as eight spaces.
+    sums = heads.sum(axis=1, dtype=np.int64) - (field + 0x30).sum(axis=1) + 8 * 0x20
+    return bool((sums == stored).all())
 
 
 def _index_tar(f: BinaryIO, url: str) -> _Index:

@@ -355,6 +355,41 @@ def test_tar_written_by_others(tmp_path, fmt):
         assert (ds[2]["__key__"], ds[2]["txt"]) == ("ünï", b"two")
 
 
+def _members(tar_bytes: bytes) -> list[tuple[str, int, int]]:
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+        return [(m.name, m.offset_data, m.size) for m in tar if m.isreg()]
+
+
+def _scan(path: Path, data: bytes) -> list[tuple[str, int, int]] | None:
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        found = shards_module._scan_plain_tar(f, len(data))
+    return None if found is None else list(zip(found[0], found[1], found[2], strict=True))
+
+
+def test_fast_tar_scan_agrees_with_tarfile_or_defers_to_it(tmp_path):
+    path = tmp_path / "s.tar"
+    prefixed = "p" * 120 + "/x.txt"  # over 100 characters: ustar's prefix field holds "ppp..."
+    plain = [("a/x0.txt", b"zero"), ("a/x0.cls", b"12"), ("ünï.json", b"{}"),
+             (prefixed, b"long"), ("big.bin", bytes(5000)), ("empty.txt", b"")]  # fmt: skip
+    data = _tar(plain, format=tarfile.USTAR_FORMAT)
+    assert _scan(path, data) == _members(data)
+    assert _scan(path, data)[3][0] == prefixed
+    assert _scan(path, _tar([("a/", None)], format=tarfile.USTAR_FORMAT)) is None  # a folder
+    assert _scan(path, _tar([("l" * 120 + ".txt", b"x")], format=tarfile.GNU_FORMAT)) is None
+    bad_sum = bytearray(data)
+    bad_sum[148:150] = b"77"  # the first header's checksum field
+    assert _scan(path, bytes(bad_sum)) is None  # tarfile then calls the shard corrupt
+    seven_digits = bytearray(data)  # a writer that fills the checksum field "%07o\0"
+    seven_digits[148:156] = b"%07o\0" % int(data[148:154], 8)
+    assert _scan(path, bytes(seven_digits)) == _members(data)
+    junk_name = bytearray(data)
+    junk_name[20:24] = b"junk"  # after the first name's NUL; tarfile cuts it off there
+    junk_name[148:156] = b"%06o\0 " % (sum(junk_name[:148]) + 256 + sum(junk_name[156:512]))
+    assert _scan(path, bytes(junk_name)) is None
+    assert _members(bytes(junk_name))[0][0] == "a/x0.txt"
+
+
 def test_missing_shard(shard_dir):
     (shard_dir / "shard-000001.tar").unlink()
     ds = ShardListDataset(shard_dir / "shards.json")
