@@ -1116,46 +1116,47 @@ def _parse_size(name: str, value: int | str) -> int:
 
 
 class _Prefetcher:
-    """A daemon thread that downloads the shards a DataLoader worker will read next.
+    """Downloads, in a background thread, the shards a process will read next.
 
     It holds only the cache entry's lock while it downloads (never the dataset's), so the
-    worker keeps reading the current shard; a worker that needs the shard being
-    downloaded waits for that lock, then opens the finished file.
+    process keeps reading the current shard; a reader that needs the shard being
+    downloaded waits for that lock, then opens the finished file. The thread ends when
+    nothing is left to download (a new one starts for the next shard), so a rank's
+    process that trains job after job keeps no thread, and no dataset, of a finished job.
     """
 
     def __init__(self, dataset: ShardListDataset) -> None:
         self.dataset = dataset
         self.wanted: list[int] = []
-        self.busy = False
+        self.busy = False  # a thread is running
         self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
 
     def want(self, shards: list[int]) -> None:
         with self.cond:
             self.wanted = list(shards)
-            self.cond.notify_all()
+            if self.wanted and not self.busy:
+                self.busy = True
+                self.thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
+                self.thread.start()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is wanted or downloading; False on timeout."""
         with self.cond:
-            return self.cond.wait_for(lambda: not (self.wanted or self.busy), timeout)
+            return self.cond.wait_for(lambda: not self.busy, timeout)
 
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.wanted:
-                    self.cond.wait()
-                s = self.wanted.pop(0)
-                self.busy = True
-            try:
-                self.dataset._prefetch(s)
-            except Exception as err:  # the worker's own read of it raises the error
-                logger.debug("prefetching shard %d failed (the read will retry): %s", s, err)
-            finally:
-                with self.cond:
+                if not self.wanted:
                     self.busy = False
                     self.cond.notify_all()
+                    return
+                s = self.wanted.pop(0)
+            try:
+                self.dataset._prefetch(s)
+            except Exception as err:  # the reader's own read of it raises the error
+                logger.debug("prefetching shard %d failed (the read will retry): %s", s, err)
 
 
 # -- the sampler ------------------------------------------------------------------------

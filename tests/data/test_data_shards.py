@@ -12,6 +12,7 @@ import multiprocessing
 import multiprocessing.synchronize
 import pickle
 import tarfile
+import weakref
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -597,6 +598,14 @@ def test_iterating_the_sampler_starts_the_first_downloads(s3_endpoint, bucket, t
     assert len(cached_shards(tmp_path)) == 1 + prefetch
     ds[first]
     assert ds.get_stats()["cache_hits"] == 1  # the first read found its shard on disk
+    # Nothing outlives the downloads: a rank's process runs job after job.
+    assert ds._prefetcher.wait_idle(30)
+    ds._prefetcher.thread.join(30)
+    assert not ds._prefetcher.thread.is_alive()
+    gone = weakref.ref(ds)
+    del ds, sampler
+    gc.collect()
+    assert gone() is None
 
 
 def test_pickle_drops_open_files(shard_dir):
