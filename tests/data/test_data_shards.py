@@ -24,6 +24,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
+import dask_ddp
 import dask_ddp.data.shards as shards_module
 from dask_ddp.data import (
     CorruptSampleError,
@@ -44,6 +45,14 @@ IMAGE_FIELD = "jpg;jpeg;png;bmp"
 
 def pixels(img: Image.Image) -> bytes:
     return np.asarray(img).tobytes()
+
+
+RANK_S3_OPTIONS = {
+    "key": "testing",
+    "secret": "testing",
+    "client_kwargs": {"region_name": "us-east-1"},
+}
+"""Credentials for code in a Dask worker, which was started before the S3 fixture set them."""
 
 
 def cached_shards(cache_dir: Path) -> list[Path]:
@@ -606,6 +615,35 @@ def test_iterating_the_sampler_starts_the_first_downloads(s3_endpoint, bucket, t
     del ds, sampler
     gc.collect()
     assert gone() is None
+
+
+def _read_two_epochs(url: str, endpoint: str, cache: str) -> list[list[int]]:
+    ds = ShardListDataset(url, keys=("cls",), endpoint_url=endpoint,
+                          storage_options=RANK_S3_OPTIONS, cache_dir=cache)  # fmt: skip
+    sampler = DistributedChunkedSampler(ds, seed=2)  # rank and world from the process group
+    loader = DataLoader(
+        ds, batch_size=5, sampler=sampler, num_workers=2, multiprocessing_context="fork"
+    )
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)  # this process starts downloading the epoch's first shard
+        epochs.append([int(c) for (batch,) in loader for c in batch])
+    return epochs
+
+
+def test_ranks_read_shards_with_dataloader_workers(client, s3_endpoint, bucket, tmp_path):
+    # The real set-up: two ranks on one host, each prefetching in its own (Dask worker)
+    # process while its DataLoader forks workers, all sharing one cache directory.
+    write_shards([{"cls": i} for i in range(60)], f"s3://{bucket}/ranks", maxcount=10,
+                 endpoint_url=s3_endpoint)  # fmt: skip
+    url = f"s3://{bucket}/ranks/shards.json"
+    job = dask_ddp.launch(client, _read_two_epochs, args=(url, s3_endpoint, str(tmp_path)))
+    per_rank = job.result(timeout=120)
+    for epoch in range(2):
+        seen = [c for rank in per_rank for c in rank[epoch]]
+        assert sorted(seen) == list(range(60)) and len(per_rank[0][epoch]) == 30
+    assert per_rank[0][0] != per_rank[0][1]  # a new order each epoch
+    assert len(cached_shards(tmp_path)) == 6  # each shard downloaded once for the host
 
 
 def test_pickle_drops_open_files(shard_dir):
