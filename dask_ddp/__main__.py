@@ -13,6 +13,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
 
 _EPILOG = """\
 Options go before the script: everything after it is passed to the script.
@@ -76,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no script at {opts.script!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger("dask_ddp")
+    # A failed job is printed below, whole; the job's own one-line warning would repeat it.
+    logging.getLogger("dask_ddp.job").addFilter(
+        lambda record: not str(record.msg).startswith("job %s failed")
+    )
 
     from distributed import Client, LocalCluster
 
@@ -93,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
             )
             client = Client(cluster)
+            # Its workers log to this terminal: keep the job's own report of a failed rank
+            # the only one (plugins also reach workers that restart).
+            client.register_plugin(_QuietRankFailures(), name="dask-ddp-quiet-rank-failures")
     except (OSError, TimeoutError) as exc:
         print(f"dask_ddp: cannot reach the scheduler {opts.scheduler}: {exc}", file=sys.stderr)
         return 1
@@ -135,6 +145,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             # about it ("still alive after 4.0 seconds, killing") is noise at this point.
             logging.getLogger("distributed.nanny").setLevel(logging.ERROR)
             cluster.close()
+
+
+class _RankComputeFailedFilter(logging.Filter):
+    """Drops a worker's "Compute Failed" record for a rank task (``dask-ddp-...``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, args = record.msg, record.args
+        return not (
+            isinstance(msg, str)
+            and msg.startswith("Compute Failed")
+            and isinstance(args, tuple)
+            and bool(args)
+            and str(args[0]).startswith("dask-ddp-")
+        )
+
+
+class _QuietRankFailures(WorkerPlugin):
+    """On the CLI's own LocalCluster, whose workers print to the user's terminal: a failed
+    rank's traceback is printed once, by the CLI, not again by each worker's log."""
+
+    def setup(self, worker: Any) -> None:
+        logging.getLogger("distributed.worker").addFilter(_RankComputeFailedFilter())
 
 
 if __name__ == "__main__":

@@ -83,6 +83,9 @@ def test_cli_fails_with_the_failing_rank(script: Path) -> None:
     )
     assert failed.returncode == 1
     assert "rank 1 failed" in failed.stderr and "exited with status 3" in failed.stderr
+    # Said once, by the CLI: not again by the job's log or each worker's "Compute Failed".
+    assert failed.stderr.count("rank 1 failed") == 1, failed.stderr[-3000:]
+    assert "Compute Failed" not in failed.stderr
 
 
 def test_cli_with_a_scheduler_shows_what_the_ranks_print(client: Client, tmp_path: Path) -> None:
