@@ -49,6 +49,7 @@ from dask_ddp.data._errors import (
     check_int,
     check_on_corrupt,
 )
+from dask_ddp.data._workers import freeze_inherited_objects
 from dask_ddp.data.cache import LocalCache
 
 __all__ = ["IMG_EXTENSIONS", "FileDataset", "S3ImageFolder", "decode_image"]
@@ -196,6 +197,11 @@ class FileDataset(Dataset):
         ``"skip"`` returns the next readable sample (index + 1, + 2, ...) in its place, so
         batch sizes and epoch lengths stay the same on every rank, logs a warning once
         per corrupt file and process, and counts it in :meth:`get_stats`.
+    freeze_gc : bool, default True
+        In each DataLoader worker process, call :func:`gc.freeze` before the first read,
+        so that Python's full garbage collections skip the ~460,000 objects the worker
+        inherits with torch (each one otherwise takes 0.2-0.3 s and stalls the worker,
+        about once per 2,000 objects read from S3). Never done in the rank's own process.
 
     Raises
     ------
@@ -240,6 +246,7 @@ class FileDataset(Dataset):
         concurrency: int = 32,
         retries: int = 8,
         on_corrupt: OnCorrupt = "raise",
+        freeze_gc: bool = True,
     ) -> None:
         if isinstance(url, (str, os.PathLike)):
             root_url: str | None = os.fspath(url)
@@ -269,6 +276,7 @@ class FileDataset(Dataset):
         self.concurrency = concurrency
         self.retries = retries
         self.on_corrupt: OnCorrupt = on_corrupt
+        self.freeze_gc = freeze_gc
         self._protocol = protocol
         self._storage_options = _storage_options(
             protocol, endpoint_url, anon, storage_options, concurrency, retries
@@ -391,6 +399,8 @@ class FileDataset(Dataset):
         PyTorch's DataLoader calls this with each batch's indices when automatic batching
         is on (the default). Repeated indices are fetched once and decoded each time.
         """
+        if self.freeze_gc:
+            freeze_inherited_objects()
         n = len(self)
         wanted = []
         for i in indices:
@@ -561,7 +571,7 @@ class S3ImageFolder(FileDataset):
         As in ImageFolder: if False, a class folder without any image is an error.
     **kwargs
         ``endpoint_url``, ``storage_options``, ``cache_dir``, ``concurrency``,
-        ``retries``, ``on_corrupt``: see :class:`FileDataset`.
+        ``retries``, ``on_corrupt``, ``freeze_gc``: see :class:`FileDataset`.
 
     Attributes
     ----------
@@ -616,6 +626,7 @@ class S3ImageFolder(FileDataset):
         concurrency: int = 32,
         retries: int = 8,
         on_corrupt: OnCorrupt = "raise",
+        freeze_gc: bool = True,
     ) -> None:
         bucket = _one_of("bucket", bucket, "s3_bucket", s3_bucket, required=True)
         prefix = _one_of("prefix", prefix, "s3_prefix", s3_prefix, required=False) or ""
@@ -648,6 +659,7 @@ class S3ImageFolder(FileDataset):
             concurrency=concurrency,
             retries=retries,
             on_corrupt=on_corrupt,
+            freeze_gc=freeze_gc,
         )
 
     def _accepts(self, path: str) -> bool:

@@ -70,6 +70,7 @@ from dask_ddp.data._errors import (
     check_int,
     check_on_corrupt,
 )
+from dask_ddp.data._workers import freeze_inherited_objects
 from dask_ddp.data.cache import LocalCache
 from dask_ddp.data.s3 import (
     IMG_EXTENSIONS,
@@ -518,6 +519,10 @@ class ShardListDataset(Dataset):
     on_corrupt : {"raise", "skip"}, default "raise"
         When a field fails to decode: raise :class:`CorruptSampleError`, or return the
         next readable sample (index + 1, ...) in its place and log a warning once.
+    freeze_gc : bool, default True
+        In each DataLoader worker process, call :func:`gc.freeze` before the first read, so
+        that full garbage collections skip the objects the worker inherits (see
+        :class:`FileDataset`). Never done in the rank's own process.
 
     Attributes
     ----------
@@ -582,6 +587,7 @@ class ShardListDataset(Dataset):
         prefetch: int = 1,
         retries: int = 8,
         on_corrupt: OnCorrupt = "raise",
+        freeze_gc: bool = True,
     ) -> None:
         if not (isinstance(decode, (bool, Mapping)) or callable(decode)):
             raise TypeError(
@@ -612,6 +618,7 @@ class ShardListDataset(Dataset):
         self.open_shards = open_shards
         self.retries = retries
         self.on_corrupt: OnCorrupt = on_corrupt
+        self.freeze_gc = freeze_gc
         self._endpoint_url, self._anon = endpoint_url, anon
         self._user_options = dict(storage_options or {})
         self._cache_dir = None if cache_dir is None else os.fspath(cache_dir)
@@ -706,6 +713,8 @@ class ShardListDataset(Dataset):
         with _PROCESS_LOCK:
             if self._pid == pid:
                 return
+            if self.freeze_gc:
+                freeze_inherited_objects()
             inherited = list(self._open.values())
             self._reset_process_state()  # indexes stay: they describe the same files
             for shard in inherited:

@@ -113,6 +113,29 @@ def test_a_session_in_storage_options_is_used_as_given(s3_endpoint, s3_client, b
     assert ds._filesystem().session is session
 
 
+class _FreezeCount(FileDataset):
+    """Returns, with each sample, how many objects the reading process has frozen."""
+
+    def __getitems__(self, indices):
+        return [(x, gc.get_freeze_count()) for x in super().__getitems__(indices)]
+
+
+@pytest.mark.parametrize("freeze_gc", [True, False])
+def test_dataloader_workers_hide_inherited_objects_from_the_collector(
+    s3_endpoint, s3_client, bucket, freeze_gc
+):
+    # A full collection in a worker walks every object inherited with torch (0.2-0.3 s).
+    for i in range(4):
+        s3_client.put_object(Bucket=bucket, Key=f"g/{i}", Body=bytes([i]))
+    ds = _FreezeCount(f"s3://{bucket}/g", endpoint_url=s3_endpoint, freeze_gc=freeze_gc)
+    assert ds[0] == (b"\x00", 0)  # never in the process that trains
+    loader = DataLoader(ds, batch_size=2, num_workers=1, collate_fn=list)
+    counts = [count for batch in loader for _, count in batch]
+    # torch's objects, from the first read on (frozen objects can still be freed)
+    assert all(c > 100_000 for c in counts) if freeze_gc else counts == [0] * 4
+    assert gc.get_freeze_count() == 0
+
+
 async def _collect() -> None:
     gc.collect()
 

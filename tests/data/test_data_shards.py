@@ -559,7 +559,7 @@ class _WithStats(ShardListDataset):
     """Returns each sample with the reading process's counters."""
 
     def __getitem__(self, index: int):
-        return super().__getitem__(index), self.get_stats()
+        return super().__getitem__(index), {**self.get_stats(), "frozen": gc.get_freeze_count()}
 
 
 def test_workers_download_the_next_shard_ahead(s3_endpoint, bucket, tmp_path, flaky_proxy):
@@ -576,6 +576,8 @@ def test_workers_download_the_next_shard_ahead(s3_endpoint, bucket, tmp_path, fl
     items = list(loader)
     assert [int(cls) for (cls,), _ in items] == list(sampler)
     stats = items[-1][1]  # the worker's counters after its last read
+    assert stats["frozen"] > 100_000  # the worker hid torch's objects from the collector
+    assert gc.get_freeze_count() == 0  # this process never freezes
     ds._prefetcher.wait_idle(30)
     # Each shard was downloaded once on the host: the first ones by this process as the
     # epoch started (see the next test), the rest by the worker, ...
