@@ -438,25 +438,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--predecessor-images", type=int, default=256,
         help="images the predecessor reads per run (256; it is slow)",
     )  # fmt: skip
+    parser.add_argument(
+        "--concurrency", type=int, default=None,
+        help="our requests in flight per worker (default: the library's default)",
+    )  # fmt: skip
+    add_common_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every S3 benchmark here takes: images, proxy, DataLoader, rounds."""
     parser.add_argument("--image-size", type=int, default=64, help="pixels per side (64)")
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--delay", type=float, default=0.020, help="proxy delay, s (0.020)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader num_workers (2)")
-    parser.add_argument(
-        "--concurrency", type=int, default=None,
-        help="our requests in flight per worker (default: the library's default)",
-    )  # fmt: skip
     parser.add_argument("--runs", type=int, default=3, help="timed rounds (3)")
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed rounds first (1)")
     parser.add_argument("--weed", default=None, help="path to SeaweedFS's weed binary")
-    return parser.parse_args(argv)
+
+
+def use_test_credentials() -> None:
+    """The server's keys in this process's environment (DataLoader workers inherit them),
+    and nothing that could send a request to a real account."""
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        os.environ.pop(name, None)
+
+
+Case = Callable[[int], tuple[float, int]]
+"""A reader to time: called with the round number, returns (seconds, images read)."""
 
 
 def build_cases(
     args: argparse.Namespace, work: Path, local: Path, endpoint: str, proxy: str
-) -> tuple[dict[str, Callable[[], tuple[float, int]]], dict[str, str]]:
-    """The readers to time, each a function returning (seconds, images read)."""
+) -> tuple[dict[str, Case], dict[str, str]]:
+    """The readers to time (see :data:`Case`)."""
     from torch.utils.data import Subset
     from torchvision import datasets, transforms
 
@@ -490,24 +510,23 @@ def build_cases(
 
     warm = ours(work / "cache-warm")
     time_loader(warm, args.batch_size, args.workers)  # fills the cache
-    fills = iter(range(10**6))
 
-    def loader(dataset) -> Callable[[], tuple[float, int]]:
-        return lambda: time_loader(dataset, args.batch_size, args.workers)
+    def loader(dataset) -> Case:
+        return lambda _round: time_loader(dataset, args.batch_size, args.workers)
 
-    def predecessor() -> tuple[float, int]:
+    def predecessor(_round: int) -> tuple[float, int]:
         with env(AWS_ENDPOINT_URL=proxy):
             return time_loader(old_subset, args.batch_size, args.workers)
 
     cases = {  # pairs that are compared run next to each other
         "predecessor": predecessor,
         "ours cold": loader(cold),
-        "raw GET s3fs x64": lambda: raw_get_s3fs(endpoint, keys, 64),
-        "raw GET boto3 x16": lambda: raw_get_boto3(endpoint, keys, 16),
-        "raw GET boto3 x64": lambda: raw_get_boto3(endpoint, keys, 64),
+        "raw GET s3fs x64": lambda _round: raw_get_s3fs(endpoint, keys, 64),
+        "raw GET boto3 x16": lambda _round: raw_get_boto3(endpoint, keys, 16),
+        "raw GET boto3 x64": lambda _round: raw_get_boto3(endpoint, keys, 64),
         "ours warm": loader(warm),
         "local disk": loader(reference),
-        "ours cold + fill": lambda: loader(ours(work / f"cache-fill-{next(fills)}"))(),
+        "ours cold + fill": lambda r: loader(ours(work / f"cache-fill-{r}"))(r),
     }
     notes = {
         "predecessor": f"{old_name}, {len(old_subset)} images per run",
@@ -516,14 +535,12 @@ def build_cases(
     return cases, notes
 
 
-def measure(
-    cases: dict[str, Callable[[], tuple[float, int]]], runs: int, warmup_runs: int
-) -> dict[str, list[float]]:
+def measure(cases: dict[str, Case], runs: int, warmup_runs: int) -> dict[str, list[float]]:
     """Images per second of each case, rounds alternating A, B, C, ... after warm-up."""
     rates: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(warmup_runs + runs):
         for name, case in cases.items():
-            elapsed, n = case()
+            elapsed, n = case(round_)
             if round_ >= warmup_runs:
                 rates[name].append(n / elapsed)
             os.sync()  # no cache fill's writeback running into the next case
@@ -535,11 +552,8 @@ def measure(
     return rates
 
 
-def report(
-    args: argparse.Namespace, command: str, weed: str, rates: dict[str, list[float]],
-    notes: dict[str, str],
-) -> None:  # fmt: skip
-    med = {name: statistics.median(v) for name, v in rates.items()}
+def print_setup(args: argparse.Namespace, command: str, weed: str) -> None:
+    """The command, the versions, and the set-up every S3 benchmark here shares."""
     print()
     print("command:", command)
     for line in versions(weed):
@@ -549,26 +563,20 @@ def report(
         f"{args.delay * 1000:.0f} ms proxy delay, DataLoader(batch_size={args.batch_size}, "
         f"num_workers={args.workers}), {args.runs} runs after {args.warmup_runs} warm-up"
     )
-    print(f"  load average before / after the runs: {notes['load']}")
-    print(f"  predecessor: {notes['predecessor']}")
-    print(f"  ours: {notes['ours']}")
+
+
+def print_rates(rates: dict[str, list[float]], width: int) -> None:
     print()
-    print(f"{'reader':<20} {'images/s (median)':>18}   runs")
+    print(f"{'reader':<{width}} {'images/s (median)':>18}   runs")
     for name, values in rates.items():
-        print(f"{name:<20} {med[name]:>18.0f}   " + " ".join(f"{v:.0f}" for v in values))
+        median = statistics.median(values)
+        print(f"{name:<{width}} {median:>18.0f}   " + " ".join(f"{v:.0f}" for v in values))
+
+
+def print_ratios(checks: list[tuple[str, list[float], list[float], float | None]]) -> None:
+    """Ratios within each round (the two readers ran seconds apart, under the same load),
+    then their median: steadier on a shared machine than a ratio of medians."""
     print()
-    # Ratios within each round (the two readers ran seconds apart, under the same load),
-    # then their median: steadier on a shared machine than a ratio of medians.
-    rounds = range(len(rates["ours cold"]))
-    ceiling = [max(v[r] for n, v in rates.items() if n.startswith("raw GET")) for r in rounds]
-    threads = [max(v[r] for n, v in rates.items() if "boto3" in n) for r in rounds]
-    checks = [
-        ("ours cold / predecessor", rates["ours cold"], rates["predecessor"], 10.0),
-        ("ours cold / raw GET ceiling (best raw GET)", rates["ours cold"], ceiling, 0.8),
-        ("ours cold / best raw GET with boto3 threads", rates["ours cold"], threads, None),
-        ("ours warm / local disk", rates["ours warm"], rates["local disk"], 0.95),
-        ("ours cold + fill / ours cold", rates["ours cold + fill"], rates["ours cold"], None),
-    ]
     print(f"{'ratio (median of per-round ratios)':<44} {'median':>8}   per round")
     for label, num, den, target in checks:
         ratios = [a / b for a, b in zip(num, den, strict=True)]
@@ -580,6 +588,27 @@ def report(
         print(f"{label:<44} {ratio:7.2f}x   {per_round}{goal}")
 
 
+def report(
+    args: argparse.Namespace, command: str, weed: str, rates: dict[str, list[float]],
+    notes: dict[str, str],
+) -> None:  # fmt: skip
+    print_setup(args, command, weed)
+    print(f"  load average before / after the runs: {notes['load']}")
+    print(f"  predecessor: {notes['predecessor']}")
+    print(f"  ours: {notes['ours']}")
+    print_rates(rates, 20)
+    rounds = range(len(rates["ours cold"]))
+    ceiling = [max(v[r] for n, v in rates.items() if n.startswith("raw GET")) for r in rounds]
+    threads = [max(v[r] for n, v in rates.items() if "boto3" in n) for r in rounds]
+    print_ratios([
+        ("ours cold / predecessor", rates["ours cold"], rates["predecessor"], 10.0),
+        ("ours cold / raw GET ceiling (best raw GET)", rates["ours cold"], ceiling, 0.8),
+        ("ours cold / best raw GET with boto3 threads", rates["ours cold"], threads, None),
+        ("ours warm / local disk", rates["ours warm"], rates["local disk"], 0.95),
+        ("ours cold + fill / ours cold", rates["ours cold + fill"], rates["ours cold"], None),
+    ])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
@@ -588,12 +617,7 @@ def main(argv: list[str] | None = None) -> None:
     weed = weed_binary(args.weed)
     given = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", sys.argv[0], *given])
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        os.environ.pop(name, None)
+    use_test_credentials()
 
     with tempfile.TemporaryDirectory(prefix="s3-ingest-") as tmp:
         work = Path(tmp)

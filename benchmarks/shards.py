@@ -28,30 +28,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from _common import command_line
 from s3_ingest import (
     BUCKET,
-    KEY,
     PREFIX,
-    SECRET,
+    Case,
+    add_common_arguments,
     delaying_proxy,
     make_images,
+    measure,
+    print_rates,
+    print_ratios,
+    print_setup,
     seaweedfs,
     upload,
-    versions,
+    use_test_credentials,
     weed_binary,
 )
 
 SHARDS = "shards/train"
-
-Case = Callable[[int], tuple[float, int]]
-"""A reader to time: called with the round number, returns (seconds, images read)."""
 
 
 def time_loader(dataset, sampler, batch_size: int, workers: int, start: float) -> tuple[float, int]:
@@ -156,49 +155,12 @@ CHECKS = [  # (label, numerator, denominator, target or None)
 ]
 
 
-def measure(cases: dict[str, Case], runs: int, warmup_runs: int) -> dict[str, list[float]]:
-    rates: dict[str, list[float]] = {name: [] for name in cases}
-    for round_ in range(warmup_runs + runs):
-        for name, case in cases.items():
-            elapsed, n = case(round_)
-            if round_ >= warmup_runs:
-                rates[name].append(n / elapsed)
-            os.sync()  # no cache fill's writeback running into the next case
-        if round_ < warmup_runs:
-            print(f"warm-up round {round_ + 1} done", flush=True)
-        else:
-            done = ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items())
-            print(f"run {round_ - warmup_runs + 1} (images/s): {done}", flush=True)
-    return rates
-
-
 def report(args: argparse.Namespace, command: str, weed: str, rates, notes) -> None:
-    print()
-    print("command:", command)
-    for line in versions(weed):
-        print("  " + line)
-    print(
-        f"  {args.images} JPEGs of {args.image_size} px in {args.classes} classes, "
-        f"{args.delay * 1000:.0f} ms proxy delay, DataLoader(batch_size={args.batch_size}, "
-        f"num_workers={args.workers}), {args.runs} runs after {args.warmup_runs} warm-up"
-    )
+    print_setup(args, command, weed)
     for name, note in notes.items():
         print(f"  {name}: {note}")
-    print()
-    print(f"{'reader':<16} {'images/s (median)':>18}   runs")
-    for name, values in rates.items():
-        median = statistics.median(values)
-        print(f"{name:<16} {median:>18.0f}   " + " ".join(f"{v:.0f}" for v in values))
-    print()
-    print(f"{'ratio (median of per-round ratios)':<44} {'median':>8}   per round")
-    for label, num, den, target in CHECKS:
-        ratios = [a / b for a, b in zip(rates[num], rates[den], strict=True)]
-        ratio = statistics.median(ratios)
-        goal = ""
-        if target is not None:
-            goal = f"   (target >= {target:g}x: {'met' if ratio >= target else 'NOT MET'})"
-        per_round = " ".join(f"{x:.2f}" for x in ratios)
-        print(f"{label:<44} {ratio:7.2f}x   {per_round}{goal}")
+    print_rates(rates, 16)
+    print_ratios([(label, rates[num], rates[den], target) for label, num, den, target in CHECKS])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -208,14 +170,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--per-file-images", type=int, default=2048,
         help="images S3ImageFolder reads per run (2048; one GET each)",
     )  # fmt: skip
-    parser.add_argument("--image-size", type=int, default=64, help="pixels per side (64)")
-    parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--delay", type=float, default=0.020, help="proxy delay, s (0.020)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader num_workers (2)")
-    parser.add_argument("--runs", type=int, default=3, help="timed rounds (3)")
-    parser.add_argument("--warmup-runs", type=int, default=1, help="untimed rounds first (1)")
-    parser.add_argument("--weed", default=None, help="path to SeaweedFS's weed binary")
+    add_common_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -226,12 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     weed = weed_binary(args.weed)
     command = command_line()
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        os.environ.pop(name, None)
+    use_test_credentials()
 
     with tempfile.TemporaryDirectory(prefix="shards-bench-") as tmp:
         work = Path(tmp)
