@@ -7,11 +7,11 @@ import multiprocessing
 import multiprocessing.synchronize
 import os
 import threading
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from _together import run_together
 from torchvision import transforms
 
 from dask_ddp.data import FileDataset, LocalCache, S3ImageFolder
@@ -70,16 +70,7 @@ def test_truncated_cache_file_is_fetched_again(s3_endpoint, s3_images, tmp_path)
     assert ds.get_stats()["fetched"] == 2
 
 
-_start: multiprocessing.synchronize.Barrier | None = None
-
-
-def _wait_for_all(barrier: multiprocessing.synchronize.Barrier) -> None:
-    global _start
-    _start = barrier
-
-
 def _read_all(ds: FileDataset) -> dict[str, int]:
-    _start.wait(timeout=60)  # every process starts at once, so they contend for each batch
     for start in range(0, len(ds), 5):
         ds.__getitems__(list(range(start, min(start + 5, len(ds)))))
     return ds.get_stats()
@@ -90,10 +81,7 @@ def test_processes_on_a_host_fetch_each_object_once(s3_images, tmp_path, flaky_p
     proxy = flaky_proxy(delay=0.05)  # slow fetches keep the other processes waiting
     cache_dir = tmp_path / "cache"
     ds = FileDataset(f"s3://{bucket}/{prefix}", endpoint_url=proxy.url, cache_dir=cache_dir)
-    ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(4)
-    with ProcessPoolExecutor(4, ctx, _wait_for_all, (barrier,)) as pool:
-        stats = list(pool.map(_read_all, [ds] * 4))
+    stats = run_together(_read_all, [ds] * 4)  # all four contend for each batch
     assert sum(s["fetched"] for s in stats) == len(ds)  # the locks made the others wait
     assert sum(s["cache_hits"] for s in stats) == 3 * len(ds)
     assert len(cached_files(cache_dir)) == len(ds) == image_count + 3  # the .txt/.md/.csv files too

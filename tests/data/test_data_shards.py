@@ -8,18 +8,16 @@ import io
 import itertools
 import json
 import logging
-import multiprocessing
-import multiprocessing.synchronize
 import pickle
 import tarfile
 import weakref
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _together import run_together
 from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
@@ -470,16 +468,7 @@ def test_corrupt_sample_raise_or_skip(tmp_path, caplog):
 # -- the cache --------------------------------------------------------------------------
 
 
-_start: multiprocessing.synchronize.Barrier | None = None
-
-
-def _wait_for_all(barrier: multiprocessing.synchronize.Barrier) -> None:
-    global _start
-    _start = barrier
-
-
 def _read_all(ds: ShardListDataset) -> dict[str, int]:
-    _start.wait(timeout=60)  # every process starts at once, so they contend for each shard
     for i in range(len(ds)):
         ds[i]
     return ds.get_stats()
@@ -496,10 +485,7 @@ def test_processes_on_a_host_download_each_shard_once(
     ds = ShardListDataset(
         f"s3://{bucket}/p/shards.json", endpoint_url=proxy.url, cache_dir=tmp_path
     )
-    ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(2)
-    with ProcessPoolExecutor(2, ctx, _wait_for_all, (barrier,)) as pool:
-        stats = list(pool.map(_read_all, [ds, ds]))
+    stats = run_together(_read_all, [ds, ds])  # both contend for each shard
     assert sum(s["downloads"] for s in stats) == 3  # the lock made the other one wait
     assert sum(s["cache_hits"] for s in stats) == 3
     assert proxy.requests == 1 + 3  # the shard list, then each shard once
