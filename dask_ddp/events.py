@@ -50,6 +50,9 @@ RESULT = "r"
 CHECKPOINT = "c"
 #: A rank's printed lines ``[stream, text]`` (``"stdout"``/``"stderr"``, lines joined by \n).
 OUTPUT = "o"
+#: A rank's phase or activity ``[phase, detail, time]``: ``phase`` is ``"queued"``,
+#: ``"joining"``, ``"running"`` or ``None`` (only the activity text ``detail`` changed).
+STATUS = "s"
 
 _HANDLER = "dask_ddp_blob"  # the worker handler that hands large messages to the client
 _EVENT_OVERHEAD = 256  # bytes an event's envelope may take besides its messages
