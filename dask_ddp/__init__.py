@@ -5,40 +5,98 @@
 True
 """
 
-from . import config as _config  # noqa: F401  (loads the ddp: defaults into dask.config)
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
 from ._version import __version__
-from .checkpoint import CheckpointInfo, UnsafeCheckpointError
-from .context import (
-    RankContext,
-    get_checkpoint,
-    get_context,
-    get_dataset_shard,
-    report,
-    save_checkpoint,
-)
-from .dispatch import launch, launch_script, run
-from .errors import (
-    BackendUnavailableError,
-    ChannelError,
-    CheckpointDirMissingError,
-    DaskDDPError,
-    JobCancelledError,
-    JobNotFoundError,
-    NotInRankError,
-    NotPicklableError,
-    NoWorkersError,
-    PeerFailedError,
-    PlacementError,
-    RankAbortedError,
-    RankFailedError,
-    RendezvousTimeoutError,
-    RetryableError,
-    UnsafeResultPathError,
-    WorkerBusyError,
-    WorkerLostError,
-)
-from .job import Job, JobState, MetricRecord, OutputLine
-from .results import DaskResultsHandler
+
+if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load on use
+    from .checkpoint import CheckpointInfo, UnsafeCheckpointError
+    from .context import (
+        RankContext,
+        get_checkpoint,
+        get_context,
+        get_dataset_shard,
+        report,
+        save_checkpoint,
+    )
+    from .dispatch import launch, launch_script, run
+    from .errors import (
+        BackendUnavailableError,
+        ChannelError,
+        CheckpointDirMissingError,
+        DaskDDPError,
+        JobCancelledError,
+        JobNotFoundError,
+        NotInRankError,
+        NotPicklableError,
+        NoWorkersError,
+        PeerFailedError,
+        PlacementError,
+        RankAbortedError,
+        RankFailedError,
+        RendezvousTimeoutError,
+        RetryableError,
+        UnsafeResultPathError,
+        WorkerBusyError,
+        WorkerLostError,
+    )
+    from .job import Job, JobState, MetricRecord, OutputLine
+    from .results import DaskResultsHandler
+
+# Each public name and the module that defines it. Modules load on first use, so that
+# `python -m dask_ddp --help` and a client that only launches never import torch.
+_WHERE = {
+    "CheckpointInfo": "checkpoint",
+    "UnsafeCheckpointError": "checkpoint",
+    "RankContext": "context",
+    "get_checkpoint": "context",
+    "get_context": "context",
+    "get_dataset_shard": "context",
+    "report": "context",
+    "save_checkpoint": "context",
+    "launch": "dispatch",
+    "launch_script": "dispatch",
+    "run": "dispatch",
+    "BackendUnavailableError": "errors",
+    "ChannelError": "errors",
+    "CheckpointDirMissingError": "errors",
+    "DaskDDPError": "errors",
+    "JobCancelledError": "errors",
+    "JobNotFoundError": "errors",
+    "NotInRankError": "errors",
+    "NotPicklableError": "errors",
+    "NoWorkersError": "errors",
+    "PeerFailedError": "errors",
+    "PlacementError": "errors",
+    "RankAbortedError": "errors",
+    "RankFailedError": "errors",
+    "RendezvousTimeoutError": "errors",
+    "RetryableError": "errors",
+    "UnsafeResultPathError": "errors",
+    "WorkerBusyError": "errors",
+    "WorkerLostError": "errors",
+    "Job": "job",
+    "JobState": "job",
+    "MetricRecord": "job",
+    "OutputLine": "job",
+    "DaskResultsHandler": "results",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dask_ddp' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "BackendUnavailableError",

@@ -4,18 +4,26 @@ Runs a torchrun-style script as ``__main__`` on N Dask workers, one rank each, w
 environment torchrun would give it. Without ``--scheduler`` it starts a LocalCluster of
 N worker processes (default 2) for the run. Exits with 0 when every rank succeeded, 1 with
 the failing rank's traceback otherwise, 2 for bad arguments.
+
+Only the standard library is imported until the arguments are checked, so ``--help`` and
+usage errors answer at once. A LocalCluster of its own starts its worker processes first
+(they import torch while the command imports the rest), has no dashboard unless
+``--dashboard`` asks for one, and is torn down at once when the job ends: its workers die
+with the command (see :mod:`dask_ddp._preload`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any
-
-from distributed.diagnostics.plugin import WorkerPlugin
 
 _EPILOG = """\
 Options go before the script: everything after it is passed to the script.
@@ -44,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [-h] [--scheduler ADDR] [--nworkers N] [--backend {gloo,nccl}] "
-        "script [args ...]",
+        "[--dashboard] script [args ...]",
     )
     parser.add_argument(
         "--scheduler", metavar="ADDR", help="Dask scheduler address (default: a LocalCluster)"
@@ -58,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with GPUs"
+    )
+    parser.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve the LocalCluster's Dask dashboard (on a free port, logged at start)",
     )
     parser.add_argument("script", help="path of the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -78,95 +91,132 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(opts.script):
         parser.error(f"no script at {opts.script!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    log = logging.getLogger("dask_ddp")
-    # A failed job is printed below, whole; the job's own one-line warning would repeat it.
-    logging.getLogger("dask_ddp.job").addFilter(
-        lambda record: not str(record.msg).startswith("job %s failed")
+    if opts.scheduler:
+        return _run_on_scheduler(opts)
+    return _run_on_local_cluster(opts)
+
+
+def _quiet_job_failure() -> None:
+    """A failed job is printed by the command, whole; its one-line warning would repeat it."""
+    for name in ("dask_ddp.job", "dask_ddp.supervise"):
+        logging.getLogger(name).addFilter(
+            lambda record: not str(record.msg).startswith("job %s failed")
+        )
+
+
+def _import_dispatch() -> threading.Thread:
+    """Import the client's side of dask_ddp in the background (while workers start)."""
+    thread = threading.Thread(
+        target=__import__, args=("dask_ddp.dispatch",), name="dask-ddp-import", daemon=True
     )
+    thread.start()
+    return thread
 
-    from distributed import Client, LocalCluster
 
-    from .dispatch import launch_script
-    from .errors import DaskDDPError
+def _run_on_scheduler(opts: argparse.Namespace) -> int:
+    importing = _import_dispatch()
+    from distributed import Client
 
-    cluster = None
     try:
-        if opts.scheduler:
-            client = Client(opts.scheduler, timeout="30s")
-        else:
-            n = opts.nworkers or 2
-            log.info("no --scheduler given: starting a LocalCluster of %d worker processes", n)
-            cluster = LocalCluster(
-                n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
-            )
-            client = Client(cluster)
-            # Its workers log to this terminal: keep the job's own report of a failed rank
-            # the only one (plugins also reach workers that restart).
-            client.register_plugin(_QuietRankFailures(), name="dask-ddp-quiet-rank-failures")
+        client = Client(opts.scheduler, timeout="30s")
     except (OSError, TimeoutError) as exc:
         print(f"dask_ddp: cannot reach the scheduler {opts.scheduler}: {exc}", file=sys.stderr)
         return 1
     try:
-        if opts.nworkers:
-            have = len(client.scheduler_info(n_workers=-1)["workers"])
-            if have < opts.nworkers:
-                log.info("waiting for %d workers (the cluster has %d)", opts.nworkers, have)
-            try:
-                client.wait_for_workers(opts.nworkers, timeout="120s")
-            except TimeoutError:
-                have = len(client.scheduler_info(n_workers=-1)["workers"])
-                print(
-                    f"dask_ddp: --nworkers {opts.nworkers} but the cluster has {have} workers "
-                    "after 120 s; start more workers or ask for fewer",
-                    file=sys.stderr,
-                )
-                return 1
-        job = launch_script(
-            client,
-            opts.script,
-            opts.args,
-            workers=opts.nworkers,
-            backend=opts.backend,
-            # A LocalCluster's workers print to this terminal themselves.
-            on_output=_print_line if cluster is None else None,
-        )
-        log.info("job %s: %d ranks running %s", job.job_id, job.world_size, opts.script)
-        try:
-            job.result()
-        except DaskDDPError as exc:
-            print(f"dask_ddp: {exc}", file=sys.stderr)
-            return 1
-        log.info("job %s: every rank finished", job.job_id)
-        return 0
+        importing.join()
+        return _run_job(client, opts, on_output=_print_line)
     finally:
-        client.close()
-        if cluster is not None:
-            # Workers that ran torch can take a few seconds to exit; the nanny's warning
-            # about it ("still alive after 4.0 seconds, killing") is noise at this point.
-            logging.getLogger("distributed.nanny").setLevel(logging.ERROR)
-            cluster.close()
+        client.close(timeout=2)
 
 
-class _RankComputeFailedFilter(logging.Filter):
-    """Drops a worker's "Compute Failed" record for a rank task (``dask-ddp-...``)."""
+def _run_on_local_cluster(opts: argparse.Namespace) -> int:
+    n = opts.nworkers or 2
+    log = logging.getLogger("dask_ddp")
+    log.info("no --scheduler given: starting a LocalCluster of %d worker processes", n)
+    importing = _import_dispatch()
+    from distributed import Client, LocalCluster
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg, args = record.msg, record.args
-        return not (
-            isinstance(msg, str)
-            and msg.startswith("Compute Failed")
-            and isinstance(args, tuple)
-            and bool(args)
-            and str(args[0]).startswith("dask-ddp-")
+    scratch = tempfile.mkdtemp(prefix="dask-ddp-")
+    code = 1
+    try:
+        cluster = LocalCluster(
+            n_workers=n,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            scheduler_kwargs={"dashboard": opts.dashboard},
+            local_directory=scratch,
+            preload=["dask_ddp._preload"],
         )
+        if opts.dashboard:
+            log.info("Dask dashboard: %s", cluster.dashboard_link)
+        client = Client(cluster)
+        importing.join()
+        # A LocalCluster's workers print to this terminal themselves.
+        code = _run_job(client, opts, on_output=None)
+    finally:
+        _exit_now(code, scratch)
+    return code  # not reached: _exit_now does not return
 
 
-class _QuietRankFailures(WorkerPlugin):
-    """On the CLI's own LocalCluster, whose workers print to the user's terminal: a failed
-    rank's traceback is printed once, by the CLI, not again by each worker's log."""
+def _exit_now(code: int, scratch: str) -> None:
+    """End the command at once, with every process it started.
 
-    def setup(self, worker: Any) -> None:
-        logging.getLogger("distributed.worker").addFilter(_RankComputeFailedFilter())
+    The job is over and its results are printed: a graceful close of the cluster would
+    wait for workers that may be stuck in a collective or still tearing torch down (the
+    nanny waits seconds before it kills them). The workers die with this process
+    (``PR_SET_PDEATHSIG``, set by :mod:`dask_ddp._preload`); the rest of its children
+    (the spawn context's resource tracker, a worker that had not yet set it) are killed
+    here.
+    """
+    import psutil
+
+    logging.disable(logging.CRITICAL)  # the nanny would report each worker it sees killed
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    shutil.rmtree(scratch, ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_job(client: Any, opts: argparse.Namespace, on_output: Any) -> int:
+    from .dispatch import launch_script
+    from .errors import DaskDDPError
+
+    log = logging.getLogger("dask_ddp")
+    _quiet_job_failure()
+    if opts.nworkers:
+        have = len(client.scheduler_info(n_workers=-1)["workers"])
+        if have < opts.nworkers:
+            log.info("waiting for %d workers (the cluster has %d)", opts.nworkers, have)
+        try:
+            client.wait_for_workers(opts.nworkers, timeout="120s")
+        except TimeoutError:
+            have = len(client.scheduler_info(n_workers=-1)["workers"])
+            print(
+                f"dask_ddp: --nworkers {opts.nworkers} but the cluster has {have} workers "
+                "after 120 s; start more workers or ask for fewer",
+                file=sys.stderr,
+            )
+            return 1
+    job = launch_script(
+        client,
+        opts.script,
+        opts.args,
+        workers=opts.nworkers,
+        backend=opts.backend,
+        on_output=on_output,
+    )
+    log.info("job %s: %d ranks running %s", job.job_id, job.world_size, opts.script)
+    try:
+        job.result()
+    except DaskDDPError as exc:
+        print(f"dask_ddp: {exc}", file=sys.stderr)
+        return 1
+    log.info("job %s: every rank finished", job.job_id)
+    return 0
 
 
 if __name__ == "__main__":

@@ -16,13 +16,15 @@ import pickle
 import re
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import torch
 from fsspec.core import url_to_fs
 
 from .errors import DaskDDPError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ def write(
 
     Older checkpoints beyond ``keep_last`` are deleted once the new one is in place.
 
-    >>> import tempfile
+    >>> import tempfile, torch
     >>> d = tempfile.mkdtemp()
     >>> url, n = write({"w": torch.ones(2)}, d, step=3)
     >>> url.endswith("checkpoint-000000000003.pt")
@@ -125,6 +127,8 @@ def write(
         raise ValueError(f"step must be a non-negative int; got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 or None; got {keep_last!r}")
+    import torch  # imported where a checkpoint is written: the client never needs it
+
     fs, root = _fs(directory, storage_options)
     fs.makedirs(root, exist_ok=True)
     final = f"{root.rstrip('/')}/checkpoint-{step:012d}.pt"
@@ -164,6 +168,8 @@ def latest(
     before it is tried. A file that needs arbitrary unpickling raises
     :class:`UnsafeCheckpointError` instead: that is a decision, not damage.
     """
+    import torch
+
     for step, url in reversed(list_checkpoints(directory, storage_options)):
         try:
             with fsspec.open(url, "rb", **dict(storage_options or {})) as f:

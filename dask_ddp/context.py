@@ -15,17 +15,18 @@ import contextlib
 import dataclasses
 import numbers
 import operator
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from . import checkpoint as _checkpoint
 from . import events as _events
 from .errors import CheckpointDirMissingError, NotInRankError
 
 if TYPE_CHECKING:
+    import torch
+
     from .data.collections import DatasetShard
 
 __all__ = [
@@ -123,7 +124,8 @@ _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries as an integer
 
 def _scalar(name: str, value: Any) -> int | float:
     """``value`` as a plain int or float, or TypeError naming the metric."""
-    if isinstance(value, torch.Tensor) or getattr(value, "ndim", None) == 0:
+    torch = sys.modules.get("torch")  # a tensor implies torch is imported; never import it here
+    if (torch is not None and isinstance(value, torch.Tensor)) or getattr(value, "ndim", None) == 0:
         if getattr(value, "ndim", 0) != 0 and value.numel() != 1:
             raise TypeError(
                 f"report() takes numbers or 0-d tensors; the rank got a tensor of shape "
