@@ -124,7 +124,7 @@ def _run_on_scheduler(opts: argparse.Namespace) -> int:
         return 1
     try:
         importing.join()
-        return _run_job(client, opts, on_output=_print_line)
+        return _run_job(client, opts, own_cluster=False)
     finally:
         client.close(timeout=2)
 
@@ -152,8 +152,7 @@ def _run_on_local_cluster(opts: argparse.Namespace) -> int:
             log.info("Dask dashboard: %s", cluster.dashboard_link)
         client = Client(cluster)
         importing.join()
-        # A LocalCluster's workers print to this terminal themselves.
-        code = _run_job(client, opts, on_output=None)
+        code = _run_job(client, opts, own_cluster=True)
     finally:
         _exit_now(code, scratch)
     return code  # not reached: _exit_now does not return
@@ -181,7 +180,7 @@ def _exit_now(code: int, scratch: str) -> None:
     os._exit(code)
 
 
-def _run_job(client: Any, opts: argparse.Namespace, on_output: Any) -> int:
+def _run_job(client: Any, opts: argparse.Namespace, *, own_cluster: bool) -> int:
     from .dispatch import launch_script
     from .errors import DaskDDPError
 
@@ -207,13 +206,19 @@ def _run_job(client: Any, opts: argparse.Namespace, on_output: Any) -> int:
         opts.args,
         workers=opts.nworkers,
         backend=opts.backend,
-        on_output=on_output,
+        # A LocalCluster's workers print to this terminal themselves.
+        on_output=None if own_cluster else _print_line,
     )
     log.info("job %s: %d ranks running %s", job.job_id, job.world_size, opts.script)
     try:
         job.result()
     except DaskDDPError as exc:
         print(f"dask_ddp: {exc}", file=sys.stderr)
+        if own_cluster:
+            return 1  # everything it started ends with the command
+        # On a shared cluster, leave it clean: a stuck peer's worker is restarted.
+        if not job._wait_stopped(timeout=60):
+            log.warning("job %s: its ranks were still being stopped at exit", job.job_id)
         return 1
     log.info("job %s: every rank finished", job.job_id)
     return 0

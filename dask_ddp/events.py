@@ -478,7 +478,7 @@ def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
 
 def drop_blobs(client: Client, worker: str, job_id: str) -> int:
     """Release every large message of ``job_id`` still held on ``worker``."""
-    reply = client.sync(_call_blob_handler, client, worker, drop_job=job_id)
+    reply = client.sync(_call_blob_handler, client, worker, drop_job=job_id, callback_timeout=10)
     return int(reply.get("dropped", 0))
 
 

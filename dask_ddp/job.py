@@ -595,16 +595,15 @@ class Job:
     def _watch_until_done(self) -> None:
         while True:
             self._watch_attempt()
-            if (
-                self._state is not JobState.FAILED
-                or self._restarts_left <= 0
-                or self._relaunch is None
-                or not _retryable(self._error)
-            ):
+            if self._state is not JobState.FAILED or not self._will_restart():
                 return
             self._restart()
             if self._state is JobState.FAILED:
                 return
+
+    def _will_restart(self) -> bool:
+        """Whether the job's current error leads to another attempt."""
+        return self._restarts_left > 0 and self._relaunch is not None and _retryable(self._error)
 
     def _restart(self) -> None:
         """Place the job again after a retryable failure and submit its ranks."""
@@ -714,6 +713,10 @@ class Job:
         self._refresh_views()
         # One line: the whole error, traceback included, is what result() raises.
         logger.warning("job %s failed: %s", self.job_id, str(error).split("\n", 1)[0])
+        if not self._will_restart():
+            # The outcome is known: result() raises now, while the peers are stopped (a
+            # stuck one only after ddp.failure-grace and a restart of its worker).
+            self._done.set()
         self._stop(
             f"another rank failed ({type(error).__name__})",
             set(range(self.world_size)) - finished,
@@ -765,6 +768,8 @@ class Job:
                 client.restart_workers(stuck, raise_for_error=False)
             except Exception:
                 logger.warning("job %s: could not restart %s", self.job_id, stuck, exc_info=True)
+        if self._store_worker in stuck or self._store_worker not in alive:
+            return  # the store went with its worker's process; a call would wait for it
         try:
             client.run(
                 bootstrap.drop_store, self._run_id, workers=[self._store_worker], on_error="ignore"
@@ -930,9 +935,16 @@ class Job:
         with self._cond:
             self._streams_closed = True
             self._cond.notify_all()
-        for rank, stream in enumerate(self._streams):
-            if stream.complete:
-                continue  # every large message of this rank was fetched
+        leftovers = [r for r, stream in enumerate(self._streams) if not stream.complete]
+        if leftovers:  # some large messages of these ranks were not fetched
+            try:
+                alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            except Exception:
+                alive = set()
+            # A worker that left or was restarted took them along; a call to its old
+            # address would wait for the connect timeout.
+            leftovers = [r for r in leftovers if self.workers[r] in alive]
+        for rank in leftovers:
             try:
                 events.drop_blobs(self.client, self.workers[rank], self._run_id)
             except Exception:
@@ -960,6 +972,13 @@ class Job:
         with self._cond:
             self._rank_errors.setdefault(rank, text)
         self._refresh_views()
+
+    def _wait_stopped(self, timeout: float | None = None) -> bool:
+        """Wait until the job's ranks are stopped and its resources released (after
+        ``result()`` raised for a failure, that can take ``ddp.failure-grace`` and a worker
+        restart longer); False if ``timeout`` passed first."""
+        self._watcher.join(timeout)
+        return not self._watcher.is_alive()
 
     def _mark_views(self) -> None:
         if self._views and self._view_due is None:

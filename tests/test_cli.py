@@ -1,0 +1,173 @@
+"""``python -m dask_ddp`` as a user runs it: fast answers, prompt exits, nothing left behind.
+
+The other command-line tests (a successful run, the failing rank's message said once, a
+scheduler given) are in test_script.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from distributed import Client
+
+# How long the command may take to exit after the last rank finished or failed (issue: 2 s),
+# measured from the moment the script says so to the command's exit, plus the interpreter's
+# own teardown; generous against a loaded 2-core machine.
+EXIT_LIMIT = 4.0
+
+STUCK_PEER = textwrap.dedent(
+    """
+    import os, sys, time
+    if os.environ["RANK"] == "1":
+        print("FAILING", time.time(), flush=True)
+        raise ValueError("rank 1 broke on purpose")
+    time.sleep(3600)  # stuck in C, where no exception reaches it: only a restart ends it
+    """
+)
+
+ONE_STEP = textwrap.dedent(
+    """
+    import os, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    model(torch.ones(4, 8)).sum().backward()
+    dist.barrier()
+    dist.destroy_process_group()
+    os.write(1, f"FINISHED {time.time()}\\n".encode())  # one write: ranks share stdout
+    """
+)
+
+
+def _cli(
+    *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], float, int]:
+    """Run the command in a session of its own: (result, time it exited, its group id)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dask_ddp", *args],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    out, err = proc.communicate(timeout=300)
+    ended = time.time()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), ended, proc.pid
+
+
+def _alive_in_group(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes in process group ``pgid``."""
+    alive = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return alive
+
+
+def _assert_group_empty(pgid: int) -> None:
+    _, alive = psutil.wait_procs(_alive_in_group(pgid), timeout=5)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def _stamp(text: str, word: str) -> list[float]:
+    """The times the ranks printed after ``word``."""
+    return [float(t) for t in re.findall(rf"{word} (\d+\.\d+)", text)]
+
+
+def test_help_answers_without_torch_or_distributed() -> None:
+    probe = (
+        "import sys, time, runpy\n"
+        "sys.argv = ['dask_ddp', '--help']\n"
+        "start = time.perf_counter()\n"
+        "try:\n"
+        "    runpy.run_module('dask_ddp', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print('SECONDS', time.perf_counter() - start, file=sys.stderr)\n"
+        "print('IMPORTED', sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'distributed', 'dask')), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout and "--dashboard" in out.stdout
+    assert "IMPORTED []" in out.stderr, out.stderr
+    seconds = float(out.stderr.split("SECONDS")[1].split()[0])
+    assert seconds < 0.5, seconds
+
+
+def test_usage_error_answers_without_torch(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "dask_ddp", "--nworkers", "0", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--nworkers must be at least 1" in out.stderr
+    assert "| torch" not in out.stderr and "| distributed" not in out.stderr
+    assert time.perf_counter() - start < 5  # the whole interpreter, on a loaded machine
+
+
+@pytest.mark.slow
+def test_exits_promptly_after_success_leaving_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP)
+    done, ended, pgid = _cli(str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    finished = _stamp(done.stdout, "FINISHED")
+    assert len(finished) == 2, done.stdout
+    assert ended - max(finished) < EXIT_LIMIT, ended - max(finished)
+    _assert_group_empty(pgid)
+
+
+@pytest.mark.slow
+def test_exits_promptly_after_a_failure_with_a_stuck_peer(tmp_path: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_PEER)
+    failed, ended, pgid = _cli(str(script))
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "rank 1 failed" in failed.stderr and "rank 1 broke on purpose" in failed.stderr
+    (failing,) = _stamp(failed.stdout, "FAILING")
+    assert ended - failing < EXIT_LIMIT, ended - failing
+    _assert_group_empty(pgid)
+
+
+@pytest.mark.slow
+def test_with_a_scheduler_exits_promptly_after_a_failure(
+    own_cluster: object, tmp_path: Path
+) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_PEER)
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        address = client.scheduler.address
+        # On a shared cluster the command leaves it clean: it waits out the grace given to
+        # the stuck rank and the restart of its worker (the nanny kills a worker that does
+        # not close within 4 s), and no more: the stuck rank ends at the kill.
+        grace, nanny_kill = 1.0, 4.0
+        failed, ended, pgid = _cli(
+            "--scheduler", address, str(script), env={"DASK_DDP__FAILURE_GRACE": f"{grace}s"}
+        )
+        assert failed.returncode == 1, failed.stderr[-3000:]
+        assert "rank 1 broke on purpose" in failed.stderr
+        (failing,) = _stamp(failed.stdout, "FAILING")
+        assert "restarting those workers" in failed.stderr
+        assert ended - failing < grace + nanny_kill + EXIT_LIMIT, (
+            ended - failing,
+            failed.stderr[-3000:],
+        )
+        _assert_group_empty(pgid)
+        # The stuck rank's worker was restarted and serves the next job.
+        client.wait_for_workers(2, timeout="60s")
