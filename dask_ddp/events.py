@@ -237,6 +237,9 @@ class RankChannel:
         self._seq = 0  # number of messages sent so far; only the sending thread touches it
         self._packer = _packer()  # likewise
         self._error: BaseException | None = None
+        self._pid = os.getpid()
+        self._status: list[Any] | None = None  # the newest status not yet sent
+        self._said: tuple[str | None, str] = (None, "")  # the last status put: phase, detail
         self._thread = threading.Thread(
             target=self._run, name=f"dask-ddp-events-{job_id}-rank-{rank}", daemon=True
         )
@@ -264,6 +267,26 @@ class RankChannel:
                 self._wake.set()
             elif n == self._full:
                 self._urgent.set()
+
+    def put_status(self, phase: str | None, detail: str = "") -> None:
+        """Queue the rank's phase (None: unchanged) and activity; never raises or blocks.
+
+        Only a change is queued, and it replaces a status not yet sent (keeping that one's
+        phase when this one has none), so status never floods the channel. Ignored once
+        the channel closed, or in a process forked from the rank.
+        """
+        if self._error is not None or os.getpid() != self._pid:
+            return
+        with self._lock:
+            said = (phase or self._said[0], detail)
+            if self._closed or said == self._said:
+                return
+            self._said = said
+            if self._status is not None and phase is None:
+                phase = self._status[0]
+            self._status = [phase, detail, time.time()]
+            if not self._buffer:
+                self._wake.set()
 
     def close(self) -> ChannelError | None:
         """Send everything still buffered and the final marker; never raises.
@@ -315,6 +338,9 @@ class RankChannel:
     def _flush(self) -> None:
         with self._lock:
             items, self._buffer = self._buffer, []
+            if self._status is not None:
+                items.append((STATUS, self._status))
+                self._status = None
             self._wake.clear()
         pack = self._packer.pack
         parts: list[bytes] = []
