@@ -185,14 +185,10 @@ def follow(path: str, describe: Callable[[], str | None]) -> Callable[[], None]:
 
     libc = _libc()
     fd = libc.inotify_init1(os.O_CLOEXEC | os.O_NONBLOCK) if libc is not None else -1
-    if fd < 0:
-        text = describe()
-        if text:
-            say(text)
-        return lambda: None
-    follower = _Follower(libc, fd, path, describe)
-    if not follower.watch():
-        follower.stop()
+    follower = _Follower(libc, fd, path, describe) if fd >= 0 else None
+    if follower is None or not follower.watch():  # no inotify here: say it once
+        if follower is not None:
+            follower.stop()
         text = describe()
         if text:
             say(text)

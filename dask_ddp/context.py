@@ -1,9 +1,10 @@
 """The rank's view of its job: :func:`get_context` and :func:`report` inside the training
 function.
 
-The context is set by :mod:`dask_ddp.bootstrap` for as long as the user's function runs.
-One rank runs per worker process at a time, so the context is per process: threads the
-training function starts, and DataLoader workers forked from the rank, see it too.
+The context is set by :mod:`dask_ddp.bootstrap` for as long as the user's function runs,
+in the process's rank run (:data:`dask_ddp._slot.PROCESS`). One rank runs per worker
+process at a time, so the context is per process: threads the training function starts,
+and DataLoader workers forked from the rank, see it too.
 Everything a rank says to the client goes through the rank's channel
 (:class:`dask_ddp.events.RankChannel`), opened and closed by the bootstrap around the
 function.

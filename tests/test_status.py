@@ -12,7 +12,7 @@ from typing import Any
 from distributed import Client, Event
 
 import dask_ddp
-from dask_ddp import _status
+from dask_ddp import _status, events
 from dask_ddp._slot import PROCESS, RankRun
 from dask_ddp.view import render_html
 
@@ -134,3 +134,40 @@ def test_follow_ends_with_the_run(tmp_path) -> None:
     PROCESS.release(run)  # ends the follower without its stop being called
     (tmp_path / "a").write_text("x")
     assert run.on_end == [] and "1 files" not in said.texts
+
+
+class _Sink:
+    """Stands in for the worker: keeps what the channel logs, and wakes a waiter."""
+
+    address = "tcp://127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.logged: list[dict[str, Any]] = []
+        self.changed = threading.Condition()
+
+    def log_event(self, topic: str, msg: dict[str, Any]) -> None:
+        with self.changed:
+            self.logged.append(msg)
+            self.changed.notify_all()
+
+
+def test_status_is_sent_on_change_and_a_newer_one_replaces_an_unsent_one() -> None:
+    sink = _Sink()
+    channel = events.RankChannel(sink, "3f2a", 0, interval=60, max_event_bytes=65536)
+    channel.put_status(_status.QUEUED, "waiting for job 1a2b")  # after a quiet spell: at once
+    with sink.changed:
+        assert sink.changed.wait_for(lambda: sink.logged, timeout=30)
+    channel.put_status(_status.JOINING, "1 of 2 joined")  # waits for the interval ...
+    channel.put_status(None, "listing s3://bucket/train")  # ... and is replaced, phase kept
+    channel.put_status(None, "listing s3://bucket/train")  # unchanged: not queued
+    channel.put(events.METRICS, [0, 0.0, {"loss": 1.0}])
+    assert channel.close() is None
+    channel.put_status(_status.RUNNING)  # after close: ignored, never raises
+    sent = [msg for event in sink.logged if "packed" in event for msg in events.decode(event)]
+    statuses = [body[:2] for kind, body in sent if kind == events.STATUS]
+    assert statuses == [
+        [_status.QUEUED, "waiting for job 1a2b"],
+        [_status.JOINING, "listing s3://bucket/train"],
+    ]
+    assert [kind for kind, _ in sent] == [events.STATUS, events.METRICS, events.STATUS]
+    assert sink.logged[-1]["end"] == 3
