@@ -868,6 +868,9 @@ class Job:
                 elif kind == events.OUTPUT:
                     stream, text = body
                     printed += [OutputLine(rank, stream, line) for line in text.split("\n")]
+                elif kind == events.STATUS:
+                    phase, detail, when = body
+                    self._set_status(rank, {"status": phase, "detail": detail, "time": when})
             self._metrics.extend(records)
             self._output.extend(printed)
             self._cond.notify_all()
