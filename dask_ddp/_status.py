@@ -196,31 +196,3 @@ def follow(path: str, describe: Callable[[], str | None]) -> Callable[[], None]:
     follower.start(say)
     run.on_end.append(follower.stop)
     return follower.stop
-
-
-def watch(probe: Callable[[], str | None]) -> Callable[[], None]:
-    """Sample ``probe`` every second as the rank's activity, until stopped or the run ends.
-
-    Transitional: kept only for ``data/s3.py``'s one call until it calls :func:`follow`
-    (which wakes on change instead of a timer); removed then.
-    """
-    run = PROCESS.current()
-    if run is None or run.channel is None or run.pid != os.getpid():
-        return lambda: None
-    stopped = threading.Event()
-
-    def sample() -> None:
-        while True:
-            try:
-                text = probe()
-            except Exception:
-                logger.debug("a status probe failed", exc_info=True)
-                text = None
-            if text:
-                send(run, None, text)
-            if stopped.wait(1.0):
-                return
-
-    threading.Thread(target=sample, name="dask-ddp-status-probe", daemon=True).start()
-    run.on_end.append(stopped.set)
-    return stopped.set

@@ -314,7 +314,7 @@ class FileDataset(Dataset):
             # how far the host's cache has filled.
             digest = hashlib.sha256(f"{self._endpoint}|{self.root}".encode()).hexdigest()
             self._fill_log = str(self._cache.directory / f".filled-{digest[:16]}")
-            _status.watch(self._cache_progress)
+            _status.follow(self._fill_log, self._cache_progress)
 
     # -- construction -------------------------------------------------------------------
 
