@@ -24,10 +24,8 @@ Client side: :class:`CollectionSource`, :func:`_persist_datasets`. Rank side:
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -37,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dask_ddp.data._prefetch import Prefetcher
 from dask_ddp.errors import DaskDDPError
 
 if TYPE_CHECKING:
@@ -643,56 +642,6 @@ def _as_batch(batch: Any, fmt: str) -> Any:
 _DONE = object()
 
 
-class _Prefetcher:
-    """Fetches windows in a background thread, at most ``ahead`` windows ahead of the one
-    the training loop holds."""
-
-    def __init__(self, fetch: Callable[[int], Any], count: int, ahead: int, name: str) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._slots = threading.Semaphore(max(1, ahead))  # taken per fetch, freed per take
-        self._stop = threading.Event()
-        self._fetch, self._count = fetch, count
-        # Run in a copy of the rank's context, so that Dask calls made there know the
-        # rank's worker (get_worker()), as they would in the rank's own thread.
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(
-            target=context.run, args=(self._run,), name=f"dask-ddp-prefetch-{name}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for w in range(self._count):
-                while not self._slots.acquire(timeout=0.1):
-                    if self._stop.is_set():
-                        return
-                if self._stop.is_set():
-                    return
-                self._queue.put(self._fetch(w))
-        except BaseException as exc:
-            self._queue.put(exc)
-            return
-        self._queue.put(_DONE)
-
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            item = self._queue.get()
-            self._slots.release()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def close(self) -> None:
-        self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-
-
 class DatasetShard:
     """One rank's share of a dataset passed to ``launch(..., datasets=...)``.
 
@@ -725,7 +674,7 @@ class DatasetShard:
     def __init__(self, plan: _ShardPlan) -> None:
         self._plan = plan
         self._next_epoch = 0
-        self._open: weakref.WeakSet[_Prefetcher] = weakref.WeakSet()
+        self._open: weakref.WeakSet[Prefetcher[int, Any]] = weakref.WeakSet()
         self._stats: dict[str, float] = {}
         self._stats_lock = threading.Lock()
 
@@ -927,11 +876,14 @@ class DatasetShard:
 
         if prefetch == 0:
             return self._waited((load(w) for w in range(len(groups))), None)
-        prefetcher = _Prefetcher(load, len(groups), prefetch, self.name)
+        prefetcher: Prefetcher[int, Any] = Prefetcher(load, name=self.name, ahead=prefetch)
+        prefetcher.want(range(len(groups)))
         self._open.add(prefetcher)
-        return self._waited(iter(prefetcher), prefetcher)
+        return self._waited(prefetcher.results(), prefetcher)
 
-    def _waited(self, windows: Iterator[Any], prefetcher: _Prefetcher | None) -> Iterator[Any]:
+    def _waited(
+        self, windows: Iterator[Any], prefetcher: Prefetcher[int, Any] | None
+    ) -> Iterator[Any]:
         """Yield the windows, counting the time the training loop waited for each."""
         try:
             while True:
