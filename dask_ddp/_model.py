@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from . import checkpoint, events, view
@@ -313,6 +313,60 @@ class JobModel:
         """One line for a terminal: each rank's step and latest metrics."""
         return view.progress_line(self.snapshot())
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+    def wait_state(
+        self, until: Callable[[dict[str, Any]], bool] | None, timeout: float | None
+    ) -> dict[str, Any]:
+        """:meth:`snapshot`, once ``until(snapshot)`` holds (see ``Job.view_state``)."""
+        if until is None:
+            return self.snapshot()
         with self.cond:
-            return self.cond.wait_for(predicate, timeout)
+            if not self.cond.wait_for(lambda: until(self.snapshot()) or self.closed, timeout):
+                raise TimeoutError(f"job {self.job_id}: the state did not come within {timeout} s")
+            state = self.snapshot()
+        if not until(state):
+            raise TimeoutError(f"job {self.job_id}: the job ended before the state came")
+        return state
+
+    # -- readers ----------------------------------------------------------------------
+    def iter_metrics(self, timeout: float | None = None) -> Iterator[MetricRecord]:
+        """Every record from the first, as it arrives, until the channel closes."""
+        seen = 0
+        while True:
+            with self.cond:
+                if not self.cond.wait_for(
+                    lambda n=seen: len(self.metrics) > n or self.closed, timeout
+                ):
+                    raise TimeoutError(f"job {self.job_id}: no record arrived within {timeout} s")
+                new = self.metrics[seen:]
+                closed = self.closed
+            seen += len(new)
+            yield from new
+            if closed and not new:
+                return
+
+    def progress_lines(self) -> Iterator[tuple[int, str]]:
+        """(record count, progress line) at each new record or status, until closed."""
+        shown, changes = -1, -1
+        while True:
+            with self.cond:
+                self.cond.wait_for(
+                    lambda n=shown, c=changes: (
+                        len(self.metrics) > n or self.status_changes != c or self.closed
+                    )
+                )
+                shown, changes, closed = len(self.metrics), self.status_changes, self.closed
+                line = self.progress_line()
+            yield shown, line
+            if closed:
+                return
+
+    def take_results(self, key: str) -> Iterator[tuple[int, str, Any]]:
+        """Pop results sent with ``key`` as they arrive, until the channel closes."""
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.results.get(key) or self.closed)
+                pending = self.results.get(key)
+                if not pending:
+                    return
+                item = pending.popleft()
+            yield item

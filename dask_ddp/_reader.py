@@ -12,6 +12,8 @@ large messages from the rank's worker, and delivers the decoded messages to the
 from __future__ import annotations
 
 import logging
+import queue
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -104,6 +106,41 @@ class EventReader:
         if stream.end is None:
             return "its final marker never arrived, so its last records may be missing"
         return f"{stream.end - stream.next} of its {stream.end} messages never arrived"
+
+    def drain(
+        self,
+        ranks: Iterable[int],
+        timeout: float,
+        pump: Callable[[float], Any],
+        *,
+        warn: bool = False,
+    ) -> None:
+        """Wait until ``ranks`` have sent their final marker and everything before it.
+
+        ``pump(seconds)`` handles the events queued meanwhile, raising ``queue.Empty``
+        when none came in time; then the gaps are filled from the scheduler once, and
+        what is still missing is given up (logged and noted when ``warn``).
+        """
+        ranks = sorted(ranks)
+        deadline = time.monotonic() + timeout
+        filled = False
+        while not self.complete(ranks):
+            try:
+                pump(max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                if filled:
+                    break
+                self.fill_gaps()
+                filled = True
+        for r in ranks:
+            what = self.missing(r)
+            if what is None or not warn:
+                continue
+            logger.warning(
+                "job %s: rank %d: %s after waiting %.0f s (ddp.event-drain-timeout)",
+                self.model.job_id, r, what, timeout,
+            )  # fmt: skip
+            self.model.note(f"rank {r}: {what}")
 
     def handle(self, msg: Any, *, fill: bool = True) -> None:
         """Take one event of the attempt's topic."""

@@ -236,21 +236,7 @@ class Job:
         >>> df = job.metrics_frame()              # doctest: +SKIP
         >>> df.pivot_table(index="step", columns="rank", values="loss")  # doctest: +SKIP
         """
-        try:
-            import pandas as pd
-        except ImportError as exc:
-            raise ImportError(
-                "Job.metrics_frame() needs pandas; install it (pip install pandas) or use "
-                "job.metrics, a list of records."
-            ) from exc
-        records = self.metrics
-        names: dict[str, None] = {}
-        for rec in records:
-            names.update(dict.fromkeys(rec.metrics))
-        columns = ["rank", "step", "time", *(n for n in names if n not in {"rank", "step", "time"})]
-        rows = [{**r.metrics, "rank": r.rank, "step": r.step, "time": r.time} for r in records]
-        frame = pd.DataFrame.from_records(rows, columns=columns)
-        return frame.astype({"rank": "int64", "step": "Int64", "time": "float64"})
+        return _metrics_frame(self.metrics)
 
     def iter_metrics(self, timeout: float | None = None) -> Iterator[MetricRecord]:
         """Yield every record as it arrives, from the first one; stop when the job is done
@@ -272,19 +258,7 @@ class Job:
         >>> for rec in job.iter_metrics():        # doctest: +SKIP
         ...     writer.add_scalar(f"loss/rank{rec.rank}", rec.metrics["loss"], rec.step)
         """
-        seen, model = 0, self._model
-        while True:
-            with model.cond:
-                if not model.cond.wait_for(
-                    lambda n=seen: len(model.metrics) > n or model.closed, timeout
-                ):
-                    raise TimeoutError(f"job {self.job_id}: no record arrived within {timeout} s")
-                new = model.metrics[seen:]
-                closed = model.closed
-            seen += len(new)
-            yield from new
-            if closed and not new:
-                return
+        return self._model.iter_metrics(timeout)
 
     def watch(self, *, file: IO[str] | None = None) -> None:
         """Show a progress line (tqdm) until the job is done, then return.
@@ -306,24 +280,13 @@ class Job:
         """
         from tqdm.auto import tqdm
 
-        shown, changes, model = 0, -1, self._model
         with tqdm(desc=f"job {self.job_id}", unit=" records", file=file) as bar:
-            while True:
-                with model.cond:
-                    model.cond.wait_for(
-                        lambda n=shown, c=changes: (
-                            len(model.metrics) > n or model.status_changes != c or model.closed
-                        )
-                    )
-                    count, closed = len(model.metrics), model.closed
-                    changes = model.status_changes
-                    line = model.progress_line()
+            shown, line = 0, ""
+            for count, line in self._model.progress_lines():
                 bar.set_postfix_str(line, refresh=False)
                 bar.update(count - shown)
                 shown = count
-                if closed:
-                    break
-            model.done.wait()  # set right after the channel closes
+            self._model.done.wait()  # set right after the channel closes
             bar.set_postfix_str(f"{self.state.value}; {line}")
 
     def view_state(
@@ -357,30 +320,11 @@ class Job:
         >>> job.view_state(running, timeout=60)["ranks"][0]["step"]  # doctest: +SKIP
         12
         """
-        model = self._model
-        if until is None:
-            return model.snapshot()
-        with model.cond:
-            if not model.cond.wait_for(lambda: until(model.snapshot()) or model.closed, timeout):
-                raise TimeoutError(
-                    f"job {self.job_id}: the view's state did not come within {timeout} s"
-                )
-            state = model.snapshot()
-        if not until(state):
-            raise TimeoutError(f"job {self.job_id}: the job ended before the view's state came")
-        return state
+        return self._model.wait_state(until, timeout)
 
     def _take_results(self, key: str) -> Iterator[tuple[int, str, Any]]:
         """Pop results sent with ``key`` as they arrive, until the job's channel closes."""
-        model = self._model
-        while True:
-            with model.cond:
-                model.cond.wait_for(lambda: model.results.get(key) or model.closed)
-                pending = model.results.get(key)
-                if not pending:
-                    return
-                item = pending.popleft()
-            yield item
+        return self._model.take_results(key)
 
     def _wait_stopped(self, timeout: float | None = None) -> bool:
         """Wait until the job's ranks are stopped and its resources released (after
@@ -412,3 +356,21 @@ class Job:
         self._model.views.append(shown)
         if self._model.closed:
             shown.update(self._model.snapshot())
+
+
+def _metrics_frame(records: list[MetricRecord]) -> pandas.DataFrame:
+    """``records`` as a DataFrame: rank, step, time, then one column per metric name."""
+    try:
+        import pandas as pd
+    except ImportError as exc:
+        raise ImportError(
+            "Job.metrics_frame() needs pandas; install it (pip install pandas) or use "
+            "job.metrics, a list of records."
+        ) from exc
+    names: dict[str, None] = {}
+    for rec in records:
+        names.update(dict.fromkeys(rec.metrics))
+    columns = ["rank", "step", "time", *(n for n in names if n not in {"rank", "step", "time"})]
+    rows = [{**r.metrics, "rank": r.rank, "step": r.step, "time": r.time} for r in records]
+    frame = pd.DataFrame.from_records(rows, columns=columns)
+    return frame.astype({"rank": "int64", "step": "Int64", "time": "float64"})

@@ -63,10 +63,9 @@ class Supervisor:
         Places the job again for a restart (``launcher.relaunch(attempt)``).
     first : dask_ddp.dispatch._Attempt
         The first placement, not yet submitted.
-    failure_grace : float
-        Seconds a stopped rank has before its worker is restarted.
-    drain_timeout : float
-        Seconds to wait for the ranks' last events once their tasks ended.
+    failure_grace, drain_timeout : float
+        Seconds a stopped rank has before its worker is restarted; seconds to wait for
+        the ranks' last events once their tasks ended.
     max_restarts : int
         Retryable failures the job may restart after.
     on_report, on_output : callable, optional
@@ -283,13 +282,7 @@ class Supervisor:
         if isinstance(exc, KilledWorker):
             self.silent.add(rank)
         self.model.show_rank_error(rank, f"{type(exc).__name__}: {exc}")
-        if isinstance(exc, (PeerFailedError, RankAbortedError)):
-            return exc
-        text = _user_traceback(exc, fut.traceback())
-        worker = self.attempt.workers[rank]
-        error = RankFailedError(rank, worker, fut.key, f"{type(exc).__name__}: {exc}", text)
-        error.__cause__ = exc
-        return error
+        return _job_error(rank, self.attempt.workers[rank], fut, exc)
 
     def _fail(self, error: BaseException, finished: set[int]) -> None:
         """Find the first-failing rank's error, stop the rest, and record the outcome."""
@@ -331,16 +324,7 @@ class Supervisor:
         gone = {r for r in running if workers[r] not in alive}
         finished |= gone
         self.silent |= gone  # no final marker will come from them
-        targets = sorted({workers[r] for r in running - gone})
-        idle: set[str] = set()  # workers where no rank of this job runs (queued, or done)
-        if targets:
-            try:
-                aborted = client.run(
-                    bootstrap.abort_rank, run_id, reason, workers=targets, on_error="ignore"
-                )
-                idle = {w for w, stopped in aborted.items() if stopped is False}
-            except Exception:
-                logger.debug("job %s: abort request failed", self.job_id, exc_info=True)
+        idle = _abort_ranks(client, run_id, reason, sorted({workers[r] for r in running - gone}))
         deadline = time.monotonic() + self.grace
         while running - finished:
             try:
@@ -354,51 +338,65 @@ class Supervisor:
         stuck = sorted({workers[r] for r in running - finished} - idle)
         client.cancel(self.model.futures)
         if stuck:
-            logger.warning(
-                "job %s: ranks on %s did not stop within %.0f s (blocked in a collective); "
-                "restarting those workers",
-                self.job_id, stuck, self.grace,
-            )  # fmt: skip
-            try:
-                client.restart_workers(stuck, raise_for_error=False)
-            except Exception:
-                logger.warning("job %s: could not restart %s", self.job_id, stuck, exc_info=True)
+            _restart_stuck(client, run_id, stuck, self.grace)
         store = self.attempt.store_worker
-        if store in stuck or store not in alive:
-            return  # the store went with its worker's process; a call would wait for it
-        try:
-            client.run(bootstrap.drop_store, run_id, workers=[store], on_error="ignore")
-        except Exception:
-            logger.debug("job %s: store cleanup failed", self.job_id, exc_info=True)
+        if store not in stuck and store in alive:  # else the store went with its process
+            _drop_store(client, run_id, store)
 
     def _drain(self, ranks: Iterable[int], timeout: float, *, warn: bool = False) -> None:
         """Wait until ``ranks`` have sent their final marker and everything before it."""
-        ranks = sorted(ranks)
-        deadline = time.monotonic() + timeout
-        filled = False
-        while not self.reader.complete(ranks):
-            try:
-                self._get(max(0.0, deadline - time.monotonic()))  # control messages: ignored
-            except queue.Empty:
-                if filled:
-                    break
-                self.reader.fill_gaps()
-                filled = True
-        for r in ranks:
-            what = self.reader.missing(r)
-            if what is None or not warn:
-                continue
-            logger.warning(
-                "job %s: rank %d: %s after waiting %.0f s (ddp.event-drain-timeout)",
-                self.job_id, r, what, timeout,
-            )  # fmt: skip
-            self.model.note(f"rank {r}: {what}")
+        self.reader.drain(ranks, timeout, self._get, warn=warn)
+
+
+def _abort_ranks(client: Client, run_id: str, reason: str, targets: list[str]) -> set[str]:
+    """Ask the ranks of ``run_id`` on ``targets`` to stop; return the workers where none
+    of its ranks runs (queued, or done)."""
+    if not targets:
+        return set()
+    try:
+        aborted = client.run(
+            bootstrap.abort_rank, run_id, reason, workers=targets, on_error="ignore"
+        )
+    except Exception:
+        logger.debug("job %s: abort request failed", run_id, exc_info=True)
+        return set()
+    return {w for w, stopped in aborted.items() if stopped is False}
+
+
+def _restart_stuck(client: Client, run_id: str, stuck: list[str], grace: float) -> None:
+    logger.warning(
+        "job %s: ranks on %s did not stop within %.0f s (blocked in a collective); "
+        "restarting those workers",
+        run_id, stuck, grace,
+    )  # fmt: skip
+    try:
+        client.restart_workers(stuck, raise_for_error=False)
+    except Exception:
+        logger.warning("job %s: could not restart %s", run_id, stuck, exc_info=True)
+
+
+def _drop_store(client: Client, run_id: str, store: str) -> None:
+    """Close the rendezvous store of ``run_id`` on its worker ``store``."""
+    try:
+        client.run(bootstrap.drop_store, run_id, workers=[store], on_error="ignore")
+    except Exception:
+        logger.debug("job %s: store cleanup failed", run_id, exc_info=True)
 
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep for m in (sys.modules["dask_ddp"], distributed)
 )
 _CARETS = re.compile(r"^\s*[\^~]+\s*$")
+
+
+def _job_error(rank: int, worker: str, fut: Any, exc: BaseException) -> BaseException:
+    """The job's error for rank ``rank`` whose future ``fut`` raised ``exc``."""
+    if isinstance(exc, (PeerFailedError, RankAbortedError)):
+        return exc
+    text = _user_traceback(exc, fut.traceback())
+    error = RankFailedError(rank, worker, fut.key, f"{type(exc).__name__}: {exc}", text)
+    error.__cause__ = exc
+    return error
 
 
 def _user_traceback(exc: BaseException, tb: Any) -> str:
