@@ -149,9 +149,6 @@ class EventReader:
         rank = msg.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < len(self.streams):
             return
-        if "status" in msg:  # old status path: removed at merge
-            self.model.set_status(rank, msg["status"], msg.get("detail"), msg.get("time"))
-            return
         stream = self.streams[rank]
         for event in stream.add(msg):
             self._deliver(rank, event)

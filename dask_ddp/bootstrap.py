@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import logging
-import multiprocessing
 import os
-import socket
-import stat
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from . import _malloc, _output, _status, events
-from .context import RankContext, _activated, _Checkpointing, _datasets_activated
+from . import _malloc, _output, _process, _status, events
+from ._slot import PROCESS, RankRun
+from .context import RankContext, _activated, _Checkpointing
 from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
 from .placement import RankPlacement
 
@@ -65,26 +61,6 @@ class RankSpec:
     datasets: dict[str, Any] | None = None
 
 
-@dataclasses.dataclass
-class _ActiveRank:
-    job_id: str
-    key: str
-    rank: int
-    thread_id: int
-    running: bool = True
-    abort_reason: str | None = None
-    links: frozenset[int] = frozenset()  # socket fds the process group opened (gloo)
-    master: tuple[str, int] | None = None  # the job's store, to release its rendezvous
-
-
-# One rank per worker process at a time: the default process group, the environment and
-# the torch thread count are per process. Keyed state below is per job id.
-_lock = threading.Lock()
-_slot_free = threading.Condition(_lock)
-_active: _ActiveRank | None = None
-_stores: dict[str, Any] = {}
-
-
 class _Abort(BaseException):
     """Raised asynchronously in a rank's thread by :func:`abort_rank`.
 
@@ -105,8 +81,7 @@ def _open_store(job_id: str, host: str, timeout: float) -> int:
     store = dist.TCPStore(
         host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
-    with _lock:
-        _stores[job_id] = store
+    PROCESS.put_store(job_id, store)
     return store.port
 
 
@@ -124,7 +99,7 @@ async def probe_worker(
     port = None
     if dask_worker.address == store_worker:
         port = await loop.run_in_executor(None, _open_store, job_id, dask_worker.ip, store_timeout)
-    active = _active
+    active = PROCESS.current()
     return {
         "gpu_count": gpus,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -135,8 +110,7 @@ async def probe_worker(
 
 def drop_store(job_id: str, dask_worker: Any = None) -> bool:
     """Close the job's store if no rank took it (the job failed or was cancelled first)."""
-    with _lock:
-        return _stores.pop(job_id, None) is not None
+    return PROCESS.take_store(job_id) is not None
 
 
 def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
@@ -146,15 +120,13 @@ def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
     Python instruction. A rank blocked inside a C++ collective only sees it once the
     collective returns; the client restarts such workers after a grace period.
     """
-    with _lock:
-        active = _active
+    with PROCESS.lock:
+        active = PROCESS.current()
         if active is None or active.job_id != job_id or not active.running:
             return False
         active.abort_reason = reason
-        _sever(active)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(active.thread_id), ctypes.py_object(_Abort)
-        )
+        _process.sever(active.links)
+        _process.raise_in_thread(active.thread_id, _Abort)
     if active.master is not None:  # in case it waits at the rendezvous, in C++
         threading.Thread(
             target=_release_waiters, args=(active.master,), name="dask-ddp-release", daemon=True
@@ -164,34 +136,24 @@ def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
 
 
 @contextlib.contextmanager
-def _claim_slot(spec: RankSpec) -> Iterator[_ActiveRank]:
-    global _active
-    with _slot_free:
+def _claim_slot(spec: RankSpec, run: RankRun) -> Iterator[RankRun]:
+    def queued(holder: RankRun) -> None:
         # Another job's rank in this process (a worker with several threads): queue behind
         # it, as Dask queues tasks on a single-threaded worker.
-        if _active is not None:
-            _status.phase(
-                _status.QUEUED,
-                f"waiting for job {_active.job_id} (rank {_active.rank}) to finish on this worker",
-            )
-        if not _slot_free.wait_for(lambda: _active is None, timeout=spec.rendezvous_timeout):
-            raise WorkerBusyError(spec.placement.worker, _active.key)
-        _active = _ActiveRank(
-            spec.job_id,
-            spec.key,
-            spec.placement.rank,
-            threading.get_ident(),
-            master=(spec.master_addr, spec.master_port),
+        _status.send(
+            run,
+            _status.QUEUED,
+            f"waiting for job {holder.job_id} (rank {holder.rank}) to finish on this worker",
         )
-        slot = _active
+
+    if not PROCESS.claim(run, spec.rendezvous_timeout, on_wait=queued):
+        holder = PROCESS.current()
+        raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
     try:
-        yield slot
+        yield run
     finally:
         _release_process_group()  # again here: an abort may have cut run_rank's cleanup short
-        with _slot_free:
-            slot.running = False
-            _active = None
-            _slot_free.notify()
+        PROCESS.release(run)
 
 
 def _torchrun_env(spec: RankSpec) -> dict[str, str]:
@@ -265,31 +227,11 @@ def _thread_share(spec: RankSpec) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@contextlib.contextmanager
-def _children_allowed(allowed: bool) -> Iterator[None]:
-    """Let a daemonic Dask worker start DataLoader worker processes while the rank runs.
-
-    multiprocessing refuses children of a daemonic process because it would not wait for
-    them at exit. DataLoader workers watch their parent and exit with it, so clearing the
-    flag for the rank's lifetime is safe; it is restored afterwards.
-    """
-    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    was = config.get("daemon")
-    if allowed and was:
-        config["daemon"] = False
-    try:
-        yield
-    finally:
-        if allowed and was:
-            config["daemon"] = was
-
-
 def _connect_store(spec: RankSpec) -> Any:
     import torch.distributed as dist
 
     if spec.placement.rank == 0:
-        with _lock:
-            store = _stores.pop(spec.job_id, None)
+        store = PROCESS.take_store(spec.job_id)
         if store is None:
             raise RendezvousTimeoutError(
                 0,
@@ -317,7 +259,7 @@ def _connect_store(spec: RankSpec) -> Any:
         ) from exc
 
 
-def _rendezvous(store: Any, spec: RankSpec, stage: str = "joined") -> None:
+def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined") -> None:
     """Wait until every rank has reached ``stage``, within the rendezvous timeout.
 
     Stages: "joined" before ``init_process_group`` (every rank's task has started), and
@@ -331,7 +273,9 @@ def _rendezvous(store: Any, spec: RankSpec, stage: str = "joined") -> None:
     if reached == world:
         store.set(ready, "1")
     elif stage == "joined":
-        _status.phase(_status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)")
+        _status.send(
+            run, _status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)"
+        )
     try:
         store.wait([ready], timedelta(seconds=spec.rendezvous_timeout))
     except (RuntimeError, TimeoutError) as exc:
@@ -343,7 +287,13 @@ def _rendezvous(store: Any, spec: RankSpec, stage: str = "joined") -> None:
             spec.rendezvous_timeout,
             f"only {reached} of {world} ranks {stage}",
         ) from exc
-    if store.get(ready) == _ABORTED:  # abort_rank released the waiters: stop here
+    try:
+        aborted = store.get(ready) == _ABORTED  # abort_rank released the waiters
+    except (RuntimeError, TimeoutError):  # DistNetworkError subclasses RuntimeError
+        # The key was set (the wait returned), and rank 0 already finished and closed its
+        # store: the job went on without an abort.
+        aborted = False
+    if aborted:
         raise RankAbortedError(spec.placement.rank, spec.job_id, "stopped while ranks gathered")
 
 
@@ -366,72 +316,6 @@ def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
             store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
     except Exception:  # the store is gone: nobody waits on it
         logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
-
-
-def _socket_fds() -> set[int]:
-    fds = set()
-    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
-        with contextlib.suppress(OSError, ValueError):
-            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
-                fds.add(int(name))
-    return fds
-
-
-def _pg_links(before: set[int], dask_ports: set[int]) -> frozenset[int]:
-    """Sockets opened by init_process_group: new since ``before``, not Dask's own comms."""
-    links = set()
-    for fd in _socket_fds() - before:
-        with contextlib.suppress(OSError):
-            sock = socket.socket(fileno=fd)
-            try:
-                local, remote = sock.getsockname(), sock.getpeername()
-            except OSError:
-                continue  # a listening socket: no peer to release
-            finally:
-                sock.detach()
-            if local[1] not in dask_ports and remote[1] not in dask_ports:
-                links.add(fd)
-    return frozenset(links)
-
-
-def _sever(slot: _ActiveRank) -> None:
-    """Shut down the rank's process-group connections so that peers blocked in a collective
-    with this rank fail at once ("Connection closed by peer") instead of waiting for the
-    collective timeout. gloo keeps its connections open as long as anything (a DDP module in
-    a traceback, say) holds the group, and neither abort() nor destroy_process_group() closes
-    them; a closed connection is what releases the peers, as when a process dies. The fds
-    stay gloo's: they are shut down, never closed here. Call with ``_lock`` held, while the
-    group is alive.
-    """
-    for fd in slot.links:
-        with contextlib.suppress(OSError):
-            sock = socket.socket(fileno=fd)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            finally:
-                sock.detach()
-
-
-def _dask_ports() -> set[int]:
-    from distributed import get_worker
-    from distributed.comm import parse_host_port
-
-    worker = get_worker()
-    ports = {worker.port}
-    with contextlib.suppress(Exception):
-        ports.add(parse_host_port(worker.scheduler.address.split("://")[-1])[1])
-    return ports
-
-
-_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error")
-
-
-def _is_peer_loss(exc: BaseException) -> bool:
-    """Did a collective fail because a peer's connection went away?"""
-    import torch.distributed as dist
-
-    text = str(exc)
-    return isinstance(exc, (RuntimeError, dist.DistError)) and any(m in text for m in _PEER_LOSS)
 
 
 def _first_failure(store: Any, rank: int, *, peer_lost: bool = False) -> int | None:
@@ -461,96 +345,100 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
     Re-raises the function's own exception unchanged on the rank that failed first; a rank
     that fails because another one did raises :class:`~dask_ddp.errors.PeerFailedError`.
     """
-    import torch
-    import torch.distributed as dist
     from distributed import get_worker
 
     p = spec.placement
     kwargs = {**kwargs, "local_rank": p.local_rank} if spec.pass_local_rank else kwargs
-    with (
-        _status.reporting(get_worker(), spec.job_id, p.rank),
-        _claim_slot(spec) as slot,
-        _patched_environ(_torchrun_env(spec)),
-        _thread_share(spec),
-        _children_allowed(spec.allow_daemon_children),
-        _malloc.tuned(spec.tune_malloc),
-    ):
-        store = _connect_store(spec)
-        _rendezvous(store, spec)
-        if p.use_gpu and torch.cuda.is_available():
-            torch.cuda.set_device(0)
-        if spec.init_process_group:
-            before = _socket_fds()
-            dist.init_process_group(
-                spec.backend,
-                store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
-                rank=p.rank,
-                world_size=p.world_size,
-                timeout=timedelta(seconds=spec.timeout),
-            )
-            slot.links = _pg_links(before, _dask_ports())
-            _rendezvous(store, spec, "initialised")
-        _status.phase(_status.RUNNING)
-        ctx = RankContext(
-            rank=p.rank,
-            local_rank=p.local_rank,
-            world_size=p.world_size,
-            local_world_size=p.local_world_size,
-            node_rank=p.node_rank,
-            device=torch.device("cuda", 0) if p.use_gpu else torch.device("cpu"),
-            backend=spec.backend,
-            attempt=spec.attempt,
-            job_id=spec.job_id,
-            worker=p.worker,
-            master_addr=spec.master_addr,
-            master_port=spec.master_port,
-        )
-        logger.debug("job %s: rank %d joined on %s", spec.job_id, p.rank, p.worker)
-        channel = _open_channel(spec)
-        try:
-            checkpointing = _Checkpointing(
-                spec.checkpoint_dir, spec.keep_last, spec.storage_options
-            )
-            with (
-                _activated(ctx, channel, checkpointing),
-                _datasets_activated(spec.datasets),
-                _output.forwarded(channel),
-            ):
-                value = fn(*args, **kwargs)
-        except BaseException as exc:
-            with _lock:
-                slot.running = False
-            if slot.abort_reason is not None:
-                raise RankAbortedError(p.rank, spec.job_id, slot.abort_reason) from exc
-            first = _first_failure(store, p.rank, peer_lost=_is_peer_loss(exc))
-            with _lock:
-                _sever(slot)
-            if first is not None:
-                raise PeerFailedError(p.rank, first, f"{type(exc).__name__}: {exc}") from exc
-            raise
-        finally:
-            with _lock:
-                slot.running = False
-            # Sends what fn reported and the final count before the task finishes, so the
-            # client has every record when it sees the result. Never raises: on success
-            # its error is raised below, after a failure the rank's own error wins.
-            undelivered = channel.close()
-            _release_process_group()
-        if undelivered is not None:
-            raise undelivered
-        return value
-
-
-def _open_channel(spec: RankSpec) -> events.RankChannel:
-    from distributed import get_worker
-
-    return events.RankChannel(
-        get_worker(),
+    worker = get_worker()
+    # The channel opens first: the rank's phases (queued, joining) travel on it too.
+    channel = events.RankChannel(
+        worker,
         spec.job_id,
-        spec.placement.rank,
+        p.rank,
         interval=spec.event_flush_interval,
         max_event_bytes=spec.max_event_bytes,
     )
+    run = RankRun(
+        spec.job_id, spec.key, p.rank, channel=channel, master=(spec.master_addr, spec.master_port)
+    )
+    try:
+        with (
+            _claim_slot(spec, run),
+            _patched_environ(_torchrun_env(spec)),
+            _thread_share(spec),
+            _process.children_allowed(spec.allow_daemon_children),
+            _malloc.tuned(spec.tune_malloc),
+        ):
+            value = _run_in_slot(fn, args, kwargs, spec, run, worker)
+    finally:
+        # Sends what fn reported and the final count before the task finishes, so the
+        # client has every record when it sees the result. Never raises: on success its
+        # error is raised below, after a failure the rank's own error wins.
+        undelivered = channel.close()
+    if undelivered is not None:
+        raise undelivered
+    return value
+
+
+def _run_in_slot(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec, run: RankRun, worker: Any
+) -> Any:
+    """Join the process group and run ``fn`` in ``run``, which holds the process's slot."""
+    import torch
+    import torch.distributed as dist
+
+    p = spec.placement
+    store = run.store = _connect_store(spec)  # kept until the task ends, for slow peers
+    _rendezvous(store, spec, run)
+    if p.use_gpu and torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    if spec.init_process_group:
+        before = _process.socket_fds()
+        dist.init_process_group(
+            spec.backend,
+            store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
+            rank=p.rank,
+            world_size=p.world_size,
+            timeout=timedelta(seconds=spec.timeout),
+        )
+        run.links = _process.process_group_links(before, _process.dask_ports(worker))
+        _rendezvous(store, spec, run, "initialised")
+    _status.send(run, _status.RUNNING)
+    ctx = RankContext(
+        rank=p.rank,
+        local_rank=p.local_rank,
+        world_size=p.world_size,
+        local_world_size=p.local_world_size,
+        node_rank=p.node_rank,
+        device=torch.device("cuda", 0) if p.use_gpu else torch.device("cpu"),
+        backend=spec.backend,
+        attempt=spec.attempt,
+        job_id=spec.job_id,
+        worker=p.worker,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
+    )
+    logger.debug("job %s: rank %d joined on %s", spec.job_id, p.rank, p.worker)
+    checkpointing = _Checkpointing(spec.checkpoint_dir, spec.keep_last, spec.storage_options)
+    try:
+        with (
+            _activated(run, ctx, checkpointing, spec.datasets),
+            _output.forwarded(run.channel),
+        ):
+            return fn(*args, **kwargs)
+    except BaseException as exc:
+        PROCESS.stop_running(run)
+        if run.abort_reason is not None:
+            raise RankAbortedError(p.rank, spec.job_id, run.abort_reason) from exc
+        first = _first_failure(store, p.rank, peer_lost=_process.is_peer_loss(exc))
+        with PROCESS.lock:
+            _process.sever(run.links)
+        if first is not None:
+            raise PeerFailedError(p.rank, first, f"{type(exc).__name__}: {exc}") from exc
+        raise
+    finally:
+        PROCESS.stop_running(run)
+        _release_process_group()
 
 
 def _release_process_group() -> None:
@@ -559,8 +447,3 @@ def _release_process_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def format_exception(exc: BaseException) -> str:
-    """The rank-side traceback as text, for the client's error message."""
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -1,9 +1,10 @@
 """The rank's view of its job: :func:`get_context` and :func:`report` inside the training
 function.
 
-The context is set by :mod:`dask_ddp.bootstrap` for as long as the user's function runs.
-One rank runs per worker process at a time, so the context is per process: threads the
-training function starts, and DataLoader workers forked from the rank, see it too.
+The context is set by :mod:`dask_ddp.bootstrap` for as long as the user's function runs,
+in the process's rank run (:data:`dask_ddp._slot.PROCESS`). One rank runs per worker
+process at a time, so the context is per process: threads the training function starts,
+and DataLoader workers forked from the rank, see it too.
 Everything a rank says to the client goes through the rank's channel
 (:class:`dask_ddp.events.RankChannel`), opened and closed by the bootstrap around the
 function.
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import checkpoint as _checkpoint
 from . import events as _events
+from ._slot import PROCESS, RankRun
 from .errors import CheckpointDirMissingError, NotInRankError
 
 if TYPE_CHECKING:
@@ -92,8 +94,12 @@ class RankContext:
     master_port: int
 
 
-_current: RankContext | None = None
-_channel: _events.RankChannel | None = None
+def _active_run(caller: str) -> RankRun:
+    """This process's rank run while the user's function runs, or NotInRankError."""
+    run = PROCESS.current()
+    if run is None or run.context is None:
+        raise NotInRankError(caller)
+    return run
 
 
 def get_context() -> RankContext:
@@ -114,9 +120,10 @@ def get_context() -> RankContext:
     >>> dask_ddp.launch(client, train).result()  # doctest: +SKIP
     [0, 1]
     """
-    if _current is None:
+    run = PROCESS.current()
+    if run is None or run.context is None:
         raise NotInRankError("get_context")
-    return _current
+    return run.context
 
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries as an integer
@@ -178,7 +185,7 @@ def report(metrics: Mapping[str, Any], *, step: int | None = None) -> None:
     >>> job.result(); job.metrics[-1].metrics              # doctest: +SKIP
     {'loss': 0.01, 'lr': 0.1}
     """
-    channel = _channel
+    channel = _active_run("report").channel
     if channel is None:
         raise NotInRankError("report")
     if not isinstance(metrics, Mapping):
@@ -211,9 +218,10 @@ def report(metrics: Mapping[str, Any], *, step: int | None = None) -> None:
 
 def _rank_channel(caller: str) -> _events.RankChannel:
     """The running rank's channel, or NotInRankError naming ``caller``."""
-    if _channel is None:
+    channel = _active_run(caller).channel
+    if channel is None:
         raise NotInRankError(caller)
-    return _channel
+    return channel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,9 +231,6 @@ class _Checkpointing:
     directory: str | None
     keep_last: int | None = None
     storage_options: dict[str, Any] | None = None
-
-
-_checkpointing = _Checkpointing(None)
 
 
 def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | None:
@@ -262,8 +267,9 @@ def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | No
     >>> dask_ddp.launch(client, train, args=(1000,), checkpoint_dir="s3://bucket/run1",
     ...                 max_restarts=2)  # doctest: +SKIP
     """
+    run = _active_run("save_checkpoint")
     ctx = get_context()
-    settings = _checkpointing
+    settings = run.checkpointing or _Checkpointing(None)
     if settings.directory is None:
         raise CheckpointDirMissingError(ctx.rank)
     if ctx.rank != 0:
@@ -276,8 +282,8 @@ def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | No
         storage_options=settings.storage_options,
     )
     info = _checkpoint.CheckpointInfo(url, step, nbytes, ctx.rank, time.time())
-    if _channel is not None:
-        _channel.put(_events.CHECKPOINT, [url, step, nbytes, info.time], "save_checkpoint")
+    if run.channel is not None:
+        run.channel.put(_events.CHECKPOINT, [url, step, nbytes, info.time], "save_checkpoint")
     return info
 
 
@@ -306,35 +312,15 @@ def get_checkpoint() -> Any:
     ...     for step in range(start, steps):
     ...         ...
     """
+    run = _active_run("get_checkpoint")
     ctx = get_context()
-    settings = _checkpointing
+    settings = run.checkpointing or _Checkpointing(None)
     if settings.directory is None:
         return None
     found = _checkpoint.latest(
         settings.directory, map_location=ctx.device, storage_options=settings.storage_options
     )
     return None if found is None else found[1]
-
-
-@contextlib.contextmanager
-def _activated(
-    ctx: RankContext,
-    channel: _events.RankChannel | None = None,
-    checkpointing: _Checkpointing | None = None,
-) -> Iterator[RankContext]:
-    """Make ``ctx`` (its channel, its checkpoints) the process's current rank for the block."""
-    global _current, _channel, _checkpointing
-    previous = _current, _channel, _checkpointing
-    _current, _channel = ctx, channel
-    _checkpointing = checkpointing or _Checkpointing(None)
-    try:
-        yield ctx
-    finally:
-        _current, _channel, _checkpointing = previous
-
-
-_dataset_plans: Mapping[str, Any] = {}  # name -> this rank's _ShardPlan, while a rank runs
-_dataset_shards: dict[str, DatasetShard] = {}
 
 
 def get_dataset_shard(name: str) -> DatasetShard:
@@ -370,30 +356,34 @@ def get_dataset_shard(name: str) -> DatasetShard:
     ...             ...
     >>> dask_ddp.launch(client, train, args=(2,), datasets={"train": ddf})  # doctest: +SKIP
     """
-    if _current is None:
-        raise NotInRankError("get_dataset_shard")
-    shard = _dataset_shards.get(name)
+    run = _active_run("get_dataset_shard")
+    shard = run.dataset_shards.get(name)
     if shard is None:
         from .data.collections import DatasetNotFoundError, DatasetShard
 
-        plan = _dataset_plans.get(name)
+        plan = run.dataset_plans.get(name)
         if plan is None:
-            raise DatasetNotFoundError(name, tuple(sorted(_dataset_plans)), _current.rank)
-        shard = _dataset_shards[name] = DatasetShard(plan)
+            raise DatasetNotFoundError(name, tuple(sorted(run.dataset_plans)), run.rank)
+        shard = run.dataset_shards[name] = DatasetShard(plan)
     return shard
 
 
 @contextlib.contextmanager
-def _datasets_activated(plans: Mapping[str, Any] | None) -> Iterator[None]:
-    """Make ``plans`` (this rank's dataset shares) what :func:`get_dataset_shard` serves
-    for the block; stop the shards' background fetches when it ends."""
-    global _dataset_plans, _dataset_shards
-    previous = _dataset_plans, _dataset_shards
-    _dataset_plans, _dataset_shards = dict(plans or {}), {}
+def _activated(
+    run: RankRun,
+    ctx: RankContext,
+    checkpointing: _Checkpointing | None = None,
+    datasets: Mapping[str, Any] | None = None,
+) -> Iterator[RankContext]:
+    """Make ``ctx`` (with its checkpoints and its share of the datasets) what the user's
+    function sees in ``run`` for the block; stop the shards' background fetches after it."""
+    run.context, run.checkpointing = ctx, checkpointing or _Checkpointing(None)
+    run.dataset_plans, run.dataset_shards = dict(datasets or {}), {}
     try:
-        yield
+        yield ctx
     finally:
-        shards = _dataset_shards
-        _dataset_plans, _dataset_shards = previous
+        shards = run.dataset_shards
+        run.context, run.checkpointing = None, None
+        run.dataset_plans, run.dataset_shards = {}, {}
         for shard in shards.values():
             shard.close()

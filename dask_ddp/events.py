@@ -12,7 +12,8 @@ Why it is built this way (measured on the real stack):
 - The scheduler relays events and keeps the last 1000 per topic, so a message larger than
   ``ddp.max-event-bytes`` never travels through it: the rank keeps it in its worker's
   memory and sends a reference; the client fetches it directly from that worker (a
-  handler on the worker, like the shuffle extension's), which releases it on delivery.
+  handler that :class:`BlobHandler`, a worker plugin, installs on every worker), which
+  releases it on delivery.
 - Subscribing is asynchronous and events can be missed, so the client subscribes before
   the ranks start (the subscription and the rank tasks travel in order on one comm),
   messages are numbered per rank, each rank ends with a marker holding its count, and
@@ -26,6 +27,7 @@ Handlers run on the client's event loop: they must not block (the job only queue
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -36,7 +38,9 @@ from typing import Any
 
 import msgpack
 from distributed import Client
+from distributed.diagnostics.plugin import WorkerPlugin
 
+from . import _dask_internals
 from .errors import ChannelError, NotInRankError
 
 logger = logging.getLogger(__name__)
@@ -121,7 +125,58 @@ def subscribe(client: Client, topic: str, handler: Handler) -> Callable[[], None
         if router is None:
             router = _routers[client] = _Router(client)
     token = router.add(topic, handler)
+    _start_blob_handler_registration(client)
     return lambda: router.remove(topic, token)
+
+
+# -- the worker plugin serving large messages --------------------------------------------
+class BlobHandler(WorkerPlugin):
+    """Serves large rank messages held on a worker to the client (see :func:`fetch_blob`).
+
+    Registered once per client by :func:`register_blob_handler`; the scheduler installs it
+    on every worker, and on workers that join later.
+    """
+
+    name = "dask-ddp-blob-handler"
+    idempotent = True  # a second client's registration leaves the installed one alone
+
+    def setup(self, worker: Any) -> None:
+        _dask_internals.add_worker_handler(worker, _HANDLER, _serve_blob)
+
+    def teardown(self, worker: Any) -> None:
+        _dask_internals.remove_worker_handler(worker, _HANDLER)
+
+
+# One registration per client, made and awaited on the client's event loop only.
+_registrations: weakref.WeakKeyDictionary[Client, asyncio.Future[Any]] = weakref.WeakKeyDictionary()
+
+
+async def register_blob_handler(client: Client) -> None:
+    """Install :class:`BlobHandler` on ``client``'s cluster, once per client.
+
+    A coroutine for the client's event loop: later calls wait for the first one's
+    registration (or retry it if it failed). :func:`subscribe` starts it without waiting,
+    and :func:`fetch_blob` waits for it before asking a worker, so callers need not call it;
+    a supervisor on the loop may ``await`` it to learn of a failure early.
+    """
+    registration = _registrations.get(client)
+    if registration is None or (registration.done() and registration.exception() is not None):
+        registration = asyncio.ensure_future(client.register_plugin(BlobHandler()))
+        _registrations[client] = registration
+    await asyncio.shield(registration)
+
+
+async def _register_quietly(client: Client) -> None:
+    try:
+        await register_blob_handler(client)
+    except Exception:  # retried by the next fetch, which raises it then
+        logger.debug("could not register the blob handler yet", exc_info=True)
+
+
+def _start_blob_handler_registration(client: Client) -> None:
+    """Start :func:`register_blob_handler` on the client's loop; never blocks, from the
+    loop's own thread too (the registration future is kept in ``_registrations``)."""
+    client.loop.add_callback(_register_quietly, client)
 
 
 # -- rank: the buffered, numbered channel ------------------------------------------------
@@ -237,6 +292,9 @@ class RankChannel:
         self._seq = 0  # number of messages sent so far; only the sending thread touches it
         self._packer = _packer()  # likewise
         self._error: BaseException | None = None
+        self._pid = os.getpid()
+        self._status: list[Any] | None = None  # the newest status not yet sent
+        self._said: tuple[str | None, str] = (None, "")  # the last status put: phase, detail
         self._thread = threading.Thread(
             target=self._run, name=f"dask-ddp-events-{job_id}-rank-{rank}", daemon=True
         )
@@ -264,6 +322,26 @@ class RankChannel:
                 self._wake.set()
             elif n == self._full:
                 self._urgent.set()
+
+    def put_status(self, phase: str | None, detail: str = "") -> None:
+        """Queue the rank's phase (None: unchanged) and activity; never raises or blocks.
+
+        Only a change is queued, and it replaces a status not yet sent (keeping that one's
+        phase when this one has none), so status never floods the channel. Ignored once
+        the channel closed, or in a process forked from the rank.
+        """
+        if self._error is not None or os.getpid() != self._pid:
+            return
+        with self._lock:
+            said = (phase or self._said[0], detail)
+            if self._closed or said == self._said:
+                return
+            self._said = said
+            if self._status is not None and phase is None:
+                phase = self._status[0]
+            self._status = [phase, detail, time.time()]
+            if not self._buffer:
+                self._wake.set()
 
     def close(self) -> ChannelError | None:
         """Send everything still buffered and the final marker; never raises.
@@ -315,6 +393,9 @@ class RankChannel:
     def _flush(self) -> None:
         with self._lock:
             items, self._buffer = self._buffer, []
+            if self._status is not None:
+                items.append((STATUS, self._status))
+                self._status = None
             self._wake.clear()
         pack = self._packer.pack
         parts: list[bytes] = []
@@ -348,9 +429,7 @@ class RankChannel:
 
     def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
         key = f"{self._job}/{self._rank}/{self._seq}"
-        self._worker.handlers.setdefault(_HANDLER, _serve_blob)
-        with _blobs_lock:
-            _blobs[key] = [msg]
+        hold_blob(key, msg)
         ref = {"worker": self._worker.address, "key": key, "nbytes": nbytes}
         try:
             self._emit({"blob": ref})
@@ -359,6 +438,12 @@ class RankChannel:
                 _blobs.pop(key, None)
             raise
         self._seq += 1
+
+
+def hold_blob(key: str, msg: list[Any]) -> None:
+    """Keep ``msg`` in this worker for its client, under ``key`` (``"<job>/<rank>/<seq>"``)."""
+    with _blobs_lock:
+        _blobs[key] = [msg]
 
 
 async def _serve_blob(key: str | None = None, drop_job: str | None = None) -> dict[str, Any]:
@@ -454,6 +539,7 @@ class RankStream:
 
 
 async def _call_blob_handler(client: Client, worker: str, **kwargs: Any) -> Any:
+    await register_blob_handler(client)
     return await client.rpc(worker).dask_ddp_blob(**kwargs)
 
 
@@ -482,19 +568,6 @@ def drop_blobs(client: Client, worker: str, job_id: str) -> int:
     return int(reply.get("dropped", 0))
 
 
-def _forget_topic(topic: str, client_id: str, dask_scheduler: Any = None) -> bool:
-    broker = getattr(dask_scheduler, "_broker", None)
-    topics = getattr(broker, "_topics", None)
-    if topics is None or topic not in topics:
-        return False
-    # Our unsubscribe message travels on another comm and may not have arrived yet.
-    topics[topic].subscribers.discard(client_id)
-    if topics[topic].subscribers:
-        return False
-    del topics[topic]
-    return True
-
-
 def forget_topic(client: Client, topic: str) -> None:
     """Let the scheduler drop a finished job's topic and the events it keeps for it.
 
@@ -503,6 +576,6 @@ def forget_topic(client: Client, topic: str) -> None:
     or a topic someone else still follows, is left alone.
     """
     try:
-        client.run_on_scheduler(_forget_topic, topic, client.id)
+        client.run_on_scheduler(_dask_internals.drop_topic, topic, client.id)
     except Exception:  # the client is closing, or the scheduler is gone: nothing to free
         logger.debug("could not drop event topic %s on the scheduler", topic, exc_info=True)

@@ -264,9 +264,7 @@ def test_errors_pickle() -> None:
 
 
 def _hold_payload(job_id: str, dask_worker=None) -> str:
-    dask_worker.handlers.setdefault(events._HANDLER, events._serve_blob)
-    with events._blobs_lock:
-        events._blobs[f"{job_id}/0/0"] = [[events.RESULT, ["k", "x.bin", b"x" * 10]]]
+    events.hold_blob(f"{job_id}/0/0", [events.RESULT, ["k", "x.bin", b"x" * 10]])
     return dask_worker.address
 
 

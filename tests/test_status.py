@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import io
+import os
+import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from distributed import Client, Event
 
 import dask_ddp
-from dask_ddp import _status
+from dask_ddp import _status, events
+from dask_ddp._slot import PROCESS, RankRun
 from dask_ddp.view import progress_line, render_html
+
+_FILLED = "2 files in the cache"
 
 
 def _hold(name: str) -> str:
@@ -20,9 +26,13 @@ def _hold(name: str) -> str:
 
 def _busy_then(name: str) -> int:
     _status.activity("warming up the model")
-    texts = iter(["probe 1", "probe 2"])
-    _status.watch(lambda: next(texts, "probe done"))
-    Event(name).wait(timeout=60)
+    with tempfile.TemporaryDirectory() as cache:
+        stop = _status.follow(cache, lambda: f"{len(os.listdir(cache))} files in the cache")
+        for i in range(2):  # each change wakes the follower; the last text says 2
+            with open(os.path.join(cache, f"f{i}"), "w") as f:
+                f.write("x")
+        Event(name).wait(timeout=60)
+        stop()
     dask_ddp.report({"loss": 1.0}, step=0)
     return dask_ddp.get_context().rank
 
@@ -50,7 +60,7 @@ def test_waiting_ranks_show_their_phase(client: Client) -> None:
 
     blocker.set()
     assert busy.result(timeout=60) == "held"
-    snap = _wait_for(job, lambda s: all(r["activity"] == "probe done" for r in s["ranks"]))
+    snap = _wait_for(job, lambda s: all(r["activity"] == _FILLED for r in s["ranks"]))
     assert [r["status"] for r in snap["ranks"]] == ["running", "running"]
     assert ": running, 2 ranks" in render_html(snap)
     Event("status-go", client=client).set()
@@ -61,7 +71,7 @@ def test_watch_prints_phases_and_activity(client: Client) -> None:
     out = io.StringIO()
     go = Event("status-watch-go", client=client)
     job = dask_ddp.launch(client, _busy_then, args=("status-watch-go",))
-    _wait_for(job, lambda s: all(r["activity"] == "probe done" for r in s["ranks"]))
+    _wait_for(job, lambda s: all(r["activity"] == _FILLED for r in s["ranks"]))
     go.set()
     job.watch(file=out)
     assert job.result(timeout=60) == [0, 1]
@@ -72,5 +82,90 @@ def test_status_calls_outside_a_rank_only_log(caplog) -> None:
     with caplog.at_level("INFO", logger="dask_ddp._status"):
         _status.activity("listing s3://bucket/train")
         _status.phase(_status.RUNNING)
-        _status.watch(lambda: "never sampled")()
+        _status.follow(".", lambda: "never said")()
     assert "listing s3://bucket/train" in caplog.text
+
+
+class _Said:
+    """Stands in for a RankChannel: records the statuses put on it."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.changed = threading.Condition()
+
+    def put_status(self, phase: str | None, detail: str = "") -> None:
+        with self.changed:
+            self.texts.append(detail)
+            self.changed.notify_all()
+
+    def wait_for(self, text: str) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: text in self.texts, timeout=10)
+
+
+def test_follow_says_the_text_when_the_path_changes(tmp_path) -> None:
+    said = _Said()
+    run = RankRun("job", "key", 0, channel=said)  # type: ignore[arg-type]
+    assert PROCESS.claim(run, timeout=1)
+    target = tmp_path / "fill-log"  # does not exist yet: followed from its creation
+    try:
+        stop = _status.follow(str(target), lambda: f"{target.stat().st_size} bytes")
+        target.write_bytes(b"x")
+        assert said.wait_for("1 bytes")
+        with target.open("ab") as f:
+            f.write(b"yz")
+        assert said.wait_for("3 bytes")
+        stop()
+        stop()  # a second stop is harmless
+        target.write_bytes(b"abcd")
+    finally:
+        PROCESS.release(run)
+    assert "4 bytes" not in said.texts  # stopped: no longer said
+
+
+def test_follow_ends_with_the_run(tmp_path) -> None:
+    said = _Said()
+    run = RankRun("job", "key", 0, channel=said)  # type: ignore[arg-type]
+    assert PROCESS.claim(run, timeout=1)
+    _status.follow(str(tmp_path), lambda: f"{len(list(tmp_path.iterdir()))} files")
+    assert said.wait_for("0 files")
+    PROCESS.release(run)  # ends the follower without its stop being called
+    (tmp_path / "a").write_text("x")
+    assert run.on_end == [] and "1 files" not in said.texts
+
+
+class _Sink:
+    """Stands in for the worker: keeps what the channel logs, and wakes a waiter."""
+
+    address = "tcp://127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.logged: list[dict[str, Any]] = []
+        self.changed = threading.Condition()
+
+    def log_event(self, topic: str, msg: dict[str, Any]) -> None:
+        with self.changed:
+            self.logged.append(msg)
+            self.changed.notify_all()
+
+
+def test_status_is_sent_on_change_and_a_newer_one_replaces_an_unsent_one() -> None:
+    sink = _Sink()
+    channel = events.RankChannel(sink, "3f2a", 0, interval=60, max_event_bytes=65536)
+    channel.put_status(_status.QUEUED, "waiting for job 1a2b")  # after a quiet spell: at once
+    with sink.changed:
+        assert sink.changed.wait_for(lambda: sink.logged, timeout=30)
+    channel.put_status(_status.JOINING, "1 of 2 joined")  # waits for the interval ...
+    channel.put_status(None, "listing s3://bucket/train")  # ... and is replaced, phase kept
+    channel.put_status(None, "listing s3://bucket/train")  # unchanged: not queued
+    channel.put(events.METRICS, [0, 0.0, {"loss": 1.0}])
+    assert channel.close() is None
+    channel.put_status(_status.RUNNING)  # after close: ignored, never raises
+    sent = [msg for event in sink.logged if "packed" in event for msg in events.decode(event)]
+    statuses = [body[:2] for kind, body in sent if kind == events.STATUS]
+    assert statuses == [
+        [_status.QUEUED, "waiting for job 1a2b"],
+        [_status.JOINING, "listing s3://bucket/train"],
+    ]
+    assert [kind for kind, _ in sent] == [events.STATUS, events.METRICS, events.STATUS]
+    assert sink.logged[-1]["end"] == 3

@@ -1,0 +1,149 @@
+"""Process-level measures a rank takes inside its Dask worker, in one place.
+
+Each one reaches below Python's usual abstractions, and each was needed on the real stack:
+
+- :func:`raise_in_thread`: stop a rank's thread from outside (``PyThreadState_SetAsyncExc``).
+- :func:`children_allowed`: let a daemonic Dask worker start DataLoader worker processes.
+- :func:`socket_fds`, :func:`process_group_links`, :func:`sever`: find the sockets that
+  ``init_process_group`` opened and shut them down, so gloo's peers fail in milliseconds.
+- :func:`dask_ports`: the worker's own ports, never among the sockets shut down.
+- :func:`is_peer_loss`: recognise a collective that failed because a peer went away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import socket
+import stat
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "children_allowed",
+    "dask_ports",
+    "is_peer_loss",
+    "process_group_links",
+    "raise_in_thread",
+    "sever",
+    "socket_fds",
+]
+
+
+def raise_in_thread(thread_id: int, exc_type: type[BaseException]) -> bool:
+    """Raise ``exc_type`` in the thread ``thread_id`` at its next Python instruction.
+
+    A thread inside C code (a collective, ``store.wait``) only sees it once that returns.
+
+    Returns
+    -------
+    bool
+        True if a thread with that id was found.
+    """
+    found = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc_type)
+    )
+    return bool(found)
+
+
+@contextlib.contextmanager
+def children_allowed(allowed: bool) -> Iterator[None]:
+    """Let a daemonic Dask worker start DataLoader worker processes while the block runs.
+
+    multiprocessing refuses children of a daemonic process because it would not wait for
+    them at exit. DataLoader workers watch their parent and exit with it, so clearing the
+    flag for the rank's lifetime is safe; it is restored afterwards.
+
+    >>> with children_allowed(True):
+    ...     pass
+    """
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    was = config.get("daemon")
+    if allowed and was:
+        config["daemon"] = False
+    try:
+        yield
+    finally:
+        if allowed and was:
+            config["daemon"] = was
+
+
+def socket_fds() -> set[int]:
+    """The file descriptors of this process's open sockets (empty without ``/proc``)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        with contextlib.suppress(OSError, ValueError):
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                fds.add(int(name))
+    return fds
+
+
+def process_group_links(before: set[int], dask_ports: set[int]) -> frozenset[int]:
+    """Sockets opened since ``before`` (the process group's), not Dask's own comms.
+
+    Listening sockets are left out: they have no peer to release.
+    """
+    links = set()
+    for fd in socket_fds() - before:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=fd)
+            try:
+                local, remote = sock.getsockname(), sock.getpeername()
+            except OSError:
+                continue
+            finally:
+                sock.detach()
+            if local[1] not in dask_ports and remote[1] not in dask_ports:
+                links.add(fd)
+    return frozenset(links)
+
+
+def sever(links: Iterable[int]) -> None:
+    """Shut down the process group's connections so that peers blocked in a collective
+    with this rank fail at once ("Connection closed by peer") instead of waiting for the
+    collective timeout.
+
+    gloo keeps its connections open as long as anything (a DDP module in a traceback, say)
+    holds the group, and neither ``abort()`` nor ``destroy_process_group()`` closes them; a
+    closed connection is what releases the peers, as when a process dies. The fds stay
+    gloo's: they are shut down, never closed here. Call it while the group is alive.
+    """
+    for fd in links:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.detach()
+
+
+def dask_ports(worker: Any) -> set[int]:
+    """The ports of ``worker``'s own listener and of its scheduler."""
+    from distributed.comm import parse_host_port
+
+    ports = {worker.port}
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        ports.add(parse_host_port(worker.scheduler.address.split("://")[-1])[1])
+    return ports
+
+
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Did a collective fail because a peer's connection went away?
+
+    >>> is_peer_loss(RuntimeError("[gloo] Connection closed by peer [10.0.0.7]:4711"))
+    True
+    >>> is_peer_loss(ValueError("Connection closed by peer"))
+    False
+    """
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, dist.DistError)) and any(m in text for m in _PEER_LOSS)

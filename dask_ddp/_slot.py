@@ -1,0 +1,154 @@
+"""The per-process state of the rank side: one slot per worker process, one run in it.
+
+One rank runs per worker process at a time: the default process group, the environment and
+the torch thread count are per process. :data:`PROCESS` is that process's
+:class:`ProcessSlot`; a rank task claims it for its :class:`RankRun` (queuing behind another
+job's rank, as Dask queues tasks on a single-threaded worker) and releases it when it ends.
+Everything the rank side used to keep in module globals lives here: the running rank (for
+:func:`dask_ddp.bootstrap.abort_rank`), the job stores opened before launch, and what the
+user's function sees through :mod:`dask_ddp.context` (context, channel, checkpoints,
+datasets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .context import RankContext, _Checkpointing
+    from .events import RankChannel
+
+__all__ = ["PROCESS", "ProcessSlot", "RankRun"]
+
+
+@dataclasses.dataclass
+class RankRun:
+    """One rank task's state in its worker process, from its start to its end.
+
+    Attributes
+    ----------
+    job_id, key : str
+        The job's run id and the rank task's key.
+    rank : int
+        The global rank.
+    thread_id : int
+        The thread running the rank (where an abort is raised).
+    channel : RankChannel or None
+        The rank's channel to the client; status travels on it from the task's start.
+    master : tuple of (str, int) or None
+        The job's store, to release its rendezvous on abort.
+    running : bool
+        True while the user's function (or the set-up before it) may still be stopped.
+    abort_reason : str or None
+        Why the client stopped the rank, once it did.
+    links : frozenset of int
+        Socket fds the process group opened (gloo), shut down on failure or abort.
+    store : torch.distributed.TCPStore or None
+        The job's store as this rank holds it (rank 0's listens): kept while the task runs.
+    context : RankContext or None
+        What :func:`dask_ddp.get_context` returns, while the user's function runs.
+    checkpointing : _Checkpointing or None
+        Where :func:`dask_ddp.save_checkpoint` writes, while the user's function runs.
+    dataset_plans, dataset_shards : dict
+        This rank's share of ``launch(datasets=)``, and the shards opened from it.
+    on_end : list of callable
+        Called when the run releases the slot (background helpers that end with the rank).
+    pid : int
+        The process the run belongs to (a forked DataLoader worker is another).
+    """
+
+    job_id: str
+    key: str
+    rank: int
+    thread_id: int = dataclasses.field(default_factory=threading.get_ident)
+    channel: RankChannel | None = None
+    master: tuple[str, int] | None = None
+    running: bool = True
+    abort_reason: str | None = None
+    links: frozenset[int] = frozenset()
+    store: Any = None
+    context: RankContext | None = None
+    checkpointing: _Checkpointing | None = None
+    dataset_plans: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dataset_shards: dict[str, Any] = dataclasses.field(default_factory=dict)
+    on_end: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    pid: int = dataclasses.field(default_factory=os.getpid)
+
+
+class ProcessSlot:
+    """The one place per process where a rank runs.
+
+    Examples
+    --------
+    >>> slot = ProcessSlot()
+    >>> run = RankRun("3f2a", "dask-ddp-3f2a-rank-0", 0)
+    >>> slot.claim(run, timeout=1.0)
+    True
+    >>> slot.current() is run
+    True
+    >>> slot.release(run); slot.current() is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # guards run, stores and a run's running/abort fields
+        self._free = threading.Condition(self.lock)
+        self.run: RankRun | None = None
+        self._stores: dict[str, Any] = {}
+
+    def current(self) -> RankRun | None:
+        """The rank running in this process, if any (None in a process forked from it
+        whose run has ended)."""
+        return self.run
+
+    def claim(
+        self,
+        run: RankRun,
+        timeout: float,
+        on_wait: Callable[[RankRun], None] | None = None,
+    ) -> bool:
+        """Make ``run`` the process's rank once the slot is free, within ``timeout`` s.
+
+        ``on_wait(holder)`` is called (with the lock held) when another rank holds the slot.
+        Returns False if it stayed taken.
+        """
+        with self._free:
+            if self.run is not None and on_wait is not None:
+                on_wait(self.run)
+            if not self._free.wait_for(lambda: self.run is None, timeout=timeout):
+                return False
+            self.run = run
+        return True
+
+    def release(self, run: RankRun) -> None:
+        """End ``run``: its helpers stop, and the next rank may claim the slot."""
+        with self._free:
+            run.running = False
+            if self.run is run:
+                self.run = None
+                self._free.notify()
+        while run.on_end:
+            run.on_end.pop()()
+
+    def stop_running(self, run: RankRun) -> None:
+        """Mark ``run`` past the point where an abort may be raised in it."""
+        with self.lock:
+            run.running = False
+
+    def put_store(self, job_id: str, store: Any) -> None:
+        """Keep the TCPStore opened for ``job_id`` until its rank 0 takes it."""
+        with self.lock:
+            self._stores[job_id] = store
+
+    def take_store(self, job_id: str) -> Any:
+        """Hand over (and forget) the store of ``job_id``; None if there is none."""
+        with self.lock:
+            return self._stores.pop(job_id, None)
+
+
+#: This process's slot.
+PROCESS = ProcessSlot()

@@ -1,0 +1,120 @@
+"""The process-level measures of a rank (dask_ddp._process), each on the real thing."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import threading
+import time
+import types
+
+import pytest
+import torch.distributed as dist
+
+from dask_ddp import _process
+
+
+class _Stop(BaseException):
+    pass
+
+
+def test_raise_in_thread_stops_a_running_python_loop() -> None:
+    started, caught = threading.Event(), []
+
+    def spin() -> None:
+        started.set()
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                pass
+        except _Stop:
+            caught.append(True)
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    assert started.wait(10)
+    assert _process.raise_in_thread(thread.ident, _Stop)
+    thread.join(30)
+    assert not thread.is_alive() and caught == [True]
+
+
+def test_raise_in_thread_reports_an_unknown_thread() -> None:
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    assert not _process.raise_in_thread(done.ident, _Stop)
+
+
+def _grandchild() -> None:
+    pass
+
+
+def _daemonic(allowed: bool, results: multiprocessing.Queue) -> None:
+    with _process.children_allowed(allowed):
+        try:
+            child = multiprocessing.get_context("fork").Process(target=_grandchild)
+            child.start()
+            child.join()
+            results.put("started")
+        except AssertionError as exc:  # "daemonic processes are not allowed to have children"
+            results.put(str(exc))
+    results.put(multiprocessing.current_process().daemon)
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_children_allowed_lifts_the_daemon_flag_for_the_block(allowed: bool) -> None:
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_daemonic, args=(allowed, results), daemon=True)
+    proc.start()
+    outcome, daemon_after = results.get(timeout=60), results.get(timeout=60)
+    proc.join(60)
+    assert outcome == "started" if allowed else "daemonic" in outcome
+    assert daemon_after is True  # restored after the block
+
+
+def test_sever_shuts_down_only_the_new_non_dask_connections() -> None:
+    dask_listener = socket.create_server(("127.0.0.1", 0))
+    gloo_listener = socket.create_server(("127.0.0.1", 0))
+    before = _process.socket_fds()
+    dask_conn = socket.create_connection(dask_listener.getsockname())
+    dask_peer, _ = dask_listener.accept()
+    gloo_conn = socket.create_connection(gloo_listener.getsockname())
+    gloo_peer, _ = gloo_listener.accept()
+    socks = [dask_listener, gloo_listener, dask_conn, dask_peer, gloo_conn, gloo_peer]
+    try:
+        assert {s.fileno() for s in socks[2:]} <= _process.socket_fds()
+        links = _process.process_group_links(before, {dask_listener.getsockname()[1]})
+        assert links == {gloo_conn.fileno(), gloo_peer.fileno()}
+
+        _process.sever(links)
+        gloo_peer.settimeout(10)
+        assert gloo_peer.recv(1) == b""  # the peer sees the connection closed at once
+        os.fstat(gloo_conn.fileno())  # shut down, not closed: the fd stays its owner's
+        dask_conn.sendall(b"x")
+        assert dask_peer.recv(1) == b"x"  # Dask's comms are untouched
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_dask_ports_names_the_worker_and_its_scheduler() -> None:
+    worker = types.SimpleNamespace(
+        port=40311, scheduler=types.SimpleNamespace(address="tcp://10.0.0.7:8786")
+    )
+    assert _process.dask_ports(worker) == {40311, 8786}
+
+
+@pytest.mark.parametrize(
+    ("exc", "lost"),
+    [
+        (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), True),
+        (dist.DistError("Connection reset by peer"), True),
+        (RuntimeError("Broken pipe"), True),
+        (RuntimeError("Timed out waiting 1800000ms for recv operation"), False),
+        (OSError("Connection closed by peer"), False),
+    ],
+)
+def test_is_peer_loss(exc: BaseException, lost: bool) -> None:
+    assert _process.is_peer_loss(exc) is lost

@@ -1,0 +1,104 @@
+"""The per-process slot of the rank side (dask_ddp._slot) and what the context reads from it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import dask_ddp
+from dask_ddp._slot import PROCESS, ProcessSlot, RankRun
+from dask_ddp.context import RankContext, _activated, _Checkpointing
+
+
+def _run(job: str = "3f2a", rank: int = 0) -> RankRun:
+    return RankRun(job, f"dask-ddp-{job}-rank-{rank}", rank)
+
+
+def test_a_second_run_queues_until_the_first_releases() -> None:
+    slot = ProcessSlot()
+    first, second = _run("a"), _run("b")
+    assert slot.claim(first, timeout=1)
+    holders: list[RankRun] = []
+    claimed = threading.Event()
+
+    def claim_second() -> None:
+        if slot.claim(second, timeout=60, on_wait=holders.append):
+            claimed.set()
+
+    thread = threading.Thread(target=claim_second)
+    thread.start()
+    assert not claimed.wait(0.2)  # queued behind the first
+    slot.release(first)
+    thread.join(60)
+    assert claimed.is_set() and slot.current() is second and holders == [first]
+    assert not first.running
+    slot.release(second)
+    assert slot.current() is None
+
+
+def test_claim_gives_up_after_its_timeout() -> None:
+    slot = ProcessSlot()
+    assert slot.claim(_run("a"), timeout=1)
+    assert not slot.claim(_run("b"), timeout=0.05)
+
+
+def test_release_ends_the_runs_helpers_once() -> None:
+    slot, run, ended = ProcessSlot(), _run(), []
+    run.on_end.append(lambda: ended.append("follower"))
+    assert slot.claim(run, timeout=1)
+    slot.release(run)
+    slot.release(run)  # a second release neither fails nor calls them again
+    assert ended == ["follower"] and run.on_end == []
+
+
+def test_a_store_is_handed_over_once() -> None:
+    slot, store = ProcessSlot(), object()
+    slot.put_store("3f2a", store)
+    assert slot.take_store("3f2a") is store
+    assert slot.take_store("3f2a") is None
+
+
+def _context(rank: int = 0) -> RankContext:
+    return RankContext(
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        local_world_size=2,
+        node_rank=0,
+        device=torch.device("cpu"),
+        backend="gloo",
+        attempt=0,
+        job_id="3f2a",
+        worker="tcp://127.0.0.1:1",
+        master_addr="127.0.0.1",
+        master_port=1,
+    )
+
+
+class _Shard:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None:
+    with pytest.raises(dask_ddp.NotInRankError, match="get_context"):
+        dask_ddp.get_context()
+    run = _run()
+    assert PROCESS.claim(run, timeout=1)
+    try:
+        with pytest.raises(dask_ddp.NotInRankError):
+            dask_ddp.get_context()  # claimed, but the function has not started
+        shard = _Shard()
+        with _activated(run, _context(), _Checkpointing(None)) as ctx:
+            assert dask_ddp.get_context() is ctx
+            assert dask_ddp.get_checkpoint() is None  # no checkpoint_dir
+            run.dataset_shards["train"] = shard
+        assert shard.closed and run.context is None and run.dataset_shards == {}
+        with pytest.raises(dask_ddp.NotInRankError, match="report"):
+            dask_ddp.report({"loss": 1.0})
+    finally:
+        PROCESS.release(run)
