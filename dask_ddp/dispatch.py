@@ -100,13 +100,13 @@ def launch(
     on_report : callable, optional
         Called on the client with each :class:`~dask_ddp.job.MetricRecord` the ranks send
         with :func:`dask_ddp.report`, in each rank's order, as they arrive: forward them to
-        TensorBoard, MLflow or a file. It runs on the job's watcher thread, never on a rank
+        TensorBoard, MLflow or a file. It runs on the job's supervisor thread, never on a rank
         or on the client's event loop; if it raises, the error is logged and it is not
         called again for this job.
     on_output : callable, optional
         Called on the client with each :class:`~dask_ddp.job.OutputLine` a rank prints
         (``print()``, ``sys.stdout``, ``sys.stderr``) while ``fn`` runs, in each rank's
-        order; like ``on_report``, on the watcher thread. The lines are also in
+        order; like ``on_report``, on the supervisor thread. The lines are also in
         :attr:`Job.output` and the live view, and still in the worker's own log.
     max_restarts : int, optional
         How many times to place the job again and rerun ``fn`` when a rank's worker is
