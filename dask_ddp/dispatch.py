@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from .config import TimeoutLike
 from .errors import NotPicklableError, NoWorkersError, PlacementError
 from .job import Job, MetricRecord, OutputLine
 from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, select_workers
+from .supervise import Supervisor
 
 if TYPE_CHECKING:
     from .data import collections as _collections
@@ -100,13 +100,13 @@ def launch(
     on_report : callable, optional
         Called on the client with each :class:`~dask_ddp.job.MetricRecord` the ranks send
         with :func:`dask_ddp.report`, in each rank's order, as they arrive: forward them to
-        TensorBoard, MLflow or a file. It runs on the job's watcher thread, never on a rank
+        TensorBoard, MLflow or a file. It runs on the job's supervisor thread, never on a rank
         or on the client's event loop; if it raises, the error is logged and it is not
         called again for this job.
     on_output : callable, optional
         Called on the client with each :class:`~dask_ddp.job.OutputLine` a rank prints
         (``print()``, ``sys.stdout``, ``sys.stderr``) while ``fn`` runs, in each rank's
-        order; like ``on_report``, on the watcher thread. The lines are also in
+        order; like ``on_report``, on the supervisor thread. The lines are also in
         :attr:`Job.output` and the live view, and still in the worker's own log.
     max_restarts : int, optional
         How many times to place the job again and rerun ``fn`` when a rank's worker is
@@ -235,36 +235,25 @@ def _launch(
     launcher.datasets = data
     try:
         first = launcher.prepare(0, workers)
-        # The job subscribes to the attempt's event topic before any rank is submitted.
-        job = Job(
+        # The supervisor subscribes to the attempt's event topic before any rank is
+        # submitted. It releases the datasets' partitions when the job is done
+        # (succeeded, failed for good, or cancelled), restarts included.
+        return Supervisor(
             client,
             job_id,
+            launcher,
             first,
             failure_grace=settings.failure_grace,
             drain_timeout=settings.event_drain_timeout,
+            max_restarts=max_restarts,
             on_report=on_report,
             on_output=on_output,
-            max_restarts=max_restarts,
-            relaunch=launcher.relaunch,
-        )
-        job._start()
+            datasets=data,
+        ).start()
     except BaseException:
         if data is not None:
             data.release()
         raise
-    if data is not None:
-        # The datasets' partitions stay in the cluster while the job may still read them:
-        # until it is done (succeeded, failed for good, or cancelled), restarts included.
-        threading.Thread(
-            target=_release_when_done, args=(job, data), name=f"dask-ddp-data-{job_id}",
-            daemon=True,
-        ).start()  # fmt: skip
-    return job
-
-
-def _release_when_done(job: Job, data: _collections._Datasets) -> None:
-    job.wait()
-    data.release()
 
 
 @dataclasses.dataclass

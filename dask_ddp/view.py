@@ -1,7 +1,7 @@
 """The job's live view on the client: HTML, an inline SVG curve, ipywidgets.
 
 Pure rendering: every function here takes a snapshot of the job (a dict built by
-:meth:`dask_ddp.Job._snapshot` on the watcher thread) and never touches the job itself.
+:meth:`dask_ddp.Job.view_state`, the job model's state) and never touches the job itself.
 :class:`WidgetView` draws progress bars with ipywidgets; :class:`HandleView` replaces a
 static HTML display in place where ipywidgets is missing.
 """
@@ -190,3 +190,25 @@ class HandleView:
 
         if self._handle is not None:
             self._handle.update(HTML(render_html(snap)))
+
+
+def progress_line(snap: dict[str, Any]) -> str:
+    """A terminal's one-line view of the ranks in a job's state (``Job.view_state()``).
+
+    >>> ranks = [
+    ...     {"count": 0, "step": None, "last": {}, "status": "joining", "activity": ""},
+    ...     {"count": 5, "step": 4, "last": {"loss": 0.25}, "status": "pending", "activity": ""},
+    ... ]
+    >>> progress_line({"ranks": ranks})
+    'r0 joining | r1 step 4 loss 0.25'
+    """
+    parts = []
+    for r, rank in enumerate(snap["ranks"]):
+        busy = f" ({rank['activity']})" if rank["activity"] else ""
+        if rank["count"] == 0:
+            parts.append(f"r{r} {rank['status']}{busy}")
+            continue
+        where = f" step {rank['step']}" if rank["step"] is not None else f" {rank['count']} rec"
+        shown = ", ".join(f"{k} {fmt(v)}" for k, v in list(rank["last"].items())[:2])
+        parts.append(f"r{r}{where}" + (f" {shown}" if shown else "") + busy)
+    return " | ".join(parts)

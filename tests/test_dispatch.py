@@ -331,10 +331,7 @@ def test_cancel_releases_a_rank_waiting_for_its_peers(client: Client) -> None:
     pids = client.run(os.getpid)
     job = dask_ddp.launch(client, _spin_forever)
     waiting = 1 - job.workers.index(w1)  # in the C++ store wait, for the rank that cannot start
-    with job._cond:
-        assert job._cond.wait_for(
-            lambda: job._snapshot()["ranks"][waiting]["status"] == "joining", timeout=60
-        )
+    job.view_state(lambda s: s["ranks"][waiting]["status"] == "joining", timeout=60)
     start = time.monotonic()
     job.cancel()
     assert time.monotonic() - start < 10

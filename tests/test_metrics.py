@@ -11,12 +11,13 @@ import dask
 import pytest
 import torch
 from distributed import Client, Event, LocalCluster
+from distributed.utils_test import poll_for
 
 import dask_ddp
 from dask_ddp import events
-from dask_ddp.dispatch import _Attempt
-from dask_ddp.job import Job
-from dask_ddp.view import WidgetView, render_html
+from dask_ddp._model import JobModel
+from dask_ddp._reader import EventReader
+from dask_ddp.view import WidgetView, progress_line, render_html
 
 
 def _burst(n: int) -> int:
@@ -144,7 +145,7 @@ def test_a_failing_on_report_is_logged_and_dropped(
         calls.append(rec)
         raise RuntimeError("tensorboard is down")
 
-    with caplog.at_level(logging.ERROR, logger="dask_ddp.job"):
+    with caplog.at_level(logging.ERROR, logger="dask_ddp._reader"):
         job = dask_ddp.launch(client, _burst, args=(100,), on_report=broken)
         assert job.result(timeout=120) == [100, 100]
     assert len(calls) == 1
@@ -212,8 +213,7 @@ def test_two_jobs_never_see_each_others_records(client: Client) -> None:
     assert [r.metrics["tag"] for r in a.metrics] == [1] * 3000
     assert [r.metrics["tag"] for r in b.metrics] == [2] * 3000
     # Once a job is over, the scheduler no longer keeps its events.
-    a._watcher.join(timeout=30)
-    assert client.run_on_scheduler(_events_kept, a.topic) == 0
+    poll_for(lambda: client.run_on_scheduler(_events_kept, a.topic) == 0, timeout=30)
 
     # A job's thread that outlives the job cannot report into the next one.
     old = dask_ddp.launch(client, _leave_a_reporting_thread, args=(3,))
@@ -230,33 +230,53 @@ def test_missing_events_are_filled_from_the_scheduler(
 ) -> None:
     worker = next(iter(client.scheduler_info(n_workers=-1)["workers"]))
     job_id = uuid.uuid4().hex[:12]
-    placed = _Attempt(job_id, 0, [worker], "gloo", worker, submit=list, abandon=lambda: None)
-    job = Job(client, job_id, placed, failure_grace=1)
+    model = JobModel(job_id, [worker], "gloo")
+    reader = EventReader(client, model)
+    reader.subscribe(job_id, [worker], lambda kind, payload: None)
     try:
 
         def event(seq: int, steps: range) -> dict:
             msgs = [[events.METRICS, [s, time.time(), {"s": s}]] for s in steps]
-            return events.encode(job.job_id, 0, seq, msgs)
+            return events.encode(job_id, 0, seq, msgs)
 
         # Events 0 and 1 reached the scheduler, but this subscriber missed them.
-        client.log_event(job.topic, event(0, range(0, 2)))
-        client.log_event(job.topic, event(2, range(2, 5)))
-        job._handle(event(5, range(5, 6)))
-        assert [r.step for r in job.metrics] == [0, 1, 2, 3, 4, 5]
-        job._handle(event(2, range(2, 5)))  # a duplicate changes nothing
-        assert len(job.metrics) == 6
+        client.log_event(reader.topic, event(0, range(0, 2)))
+        client.log_event(reader.topic, event(2, range(2, 5)))
+        reader.handle(event(5, range(5, 6)))
+        assert [r.step for r in model.metrics] == [0, 1, 2, 3, 4, 5]
+        reader.handle(event(2, range(2, 5)))  # a duplicate changes nothing
+        assert len(model.metrics) == 6
 
         # What the scheduler no longer holds is reported lost, and the rest goes on.
-        with caplog.at_level(logging.WARNING, logger="dask_ddp.job"):
-            job._handle(event(9, range(9, 10)))
-        assert [r.step for r in job.metrics][-1] == 9
+        with caplog.at_level(logging.WARNING, logger="dask_ddp._reader"):
+            reader.handle(event(9, range(9, 10)))
+        assert [r.step for r in model.metrics][-1] == 9
         assert "3 messages from rank 0 were lost" in caplog.text
-        job._handle({"job": job.job_id, "rank": 0, "seq": 10, "end": 10})
-        assert job._streams[0].complete
-        job._handle(events.encode("another-job", 0, 10, [["m", [10, 0.0, {}]]]))
-        assert len(job.metrics) == 7
+        assert model.notes == ["rank 0: 3 messages lost on the way"]
+        assert reader.missing(0) is not None
+        reader.handle({"job": job_id, "rank": 0, "seq": 10, "end": 10})
+        assert reader.complete([0]) and reader.missing(0) is None
+        reader.handle(events.encode("another-job", 0, 10, [["m", [10, 0.0, {}]]]))
+        assert len(model.metrics) == 7
     finally:
-        job._abandon()
+        reader.unsubscribe()
+
+
+def test_status_messages_in_the_channel_reach_the_view(client: Client) -> None:
+    worker = next(iter(client.scheduler_info(n_workers=-1)["workers"]))
+    model = JobModel("j", [worker], "gloo")
+    reader = EventReader(client, model)
+    reader.subscribe("j", [worker], lambda kind, payload: None)
+    try:
+        now = time.time()
+        reader.handle(events.encode("j", 0, 0, [[events.STATUS, ["joining", "1 of 2", now]]]))
+        assert model.status_changes == 1
+        reader.handle(events.encode("j", 0, 1, [[events.STATUS, [None, "listing", now]]]))
+        assert (model.status[0].phase, model.status[0].detail) == ("joining", "listing")
+        assert model.snapshot()["ranks"][0]["activity"] == "listing"  # no future yet: pending
+        assert progress_line(model.snapshot()) == "r0 pending (listing)"
+    finally:
+        reader.unsubscribe()
 
 
 def _slow_reports(n: int) -> int:
@@ -273,12 +293,11 @@ def test_live_view_shows_progress_curve_and_errors(client: Client) -> None:
     pytest.importorskip("ipywidgets")
     job = dask_ddp.launch(client, _slow_reports, args=(200,))
     view = WidgetView(job.world_size)
-    job._views.append(view)  # as _ipython_display_ does, without a notebook
     with pytest.raises(dask_ddp.RankFailedError):
         job.result(timeout=120)
     assert len(list(job.iter_metrics(timeout=60))) == 400  # ends once the channel closed
-    job._refresh_views()
-    snap = job._snapshot()
+    snap = job.view_state()
+    view.update(snap)
     assert snap["metric"] == "loss"
     assert [r["step"] for r in snap["ranks"]] == [199, 199]
     assert view._bars[0].value == 199 and view._bars[0].max == 199
@@ -288,7 +307,7 @@ def test_live_view_shows_progress_curve_and_errors(client: Client) -> None:
     assert "step 199" in view._labels[0].value
     page = render_html(snap)
     assert "<svg" in page and "rank 1 gave up" in page and "<progress" in page
-    assert "r0 step 199" in job._progress_line()
+    assert "r0 step 199" in progress_line(snap)
 
 
 def test_watch_draws_a_progress_line(client: Client) -> None:
@@ -325,7 +344,7 @@ def test_live_view_in_a_notebook(cluster: LocalCluster) -> None:
                 "job"
             ),
             cell(
-                "view = job._views[0]\n"
+                "view = job._model.views[0]  # the widget the cell above displayed\n"
                 "updates = []\n"
                 "view._plot.observe(lambda ch: updates.append(job.done()), 'value')\n"
                 "print(job.result(timeout=120))\n"

@@ -32,7 +32,7 @@ def test_printed_lines_reach_the_client_in_order(client: Client) -> None:
             ("stdout", "no newline at the end"),
         ]
     assert seen == job.output
-    assert "] no newline at the end</pre>" in render_html(job._snapshot())  # the latest line
+    assert "] no newline at the end</pre>" in render_html(job.view_state())  # the latest line
 
 
 def test_the_worker_streams_are_restored_after_the_rank(client: Client) -> None:

@@ -14,7 +14,7 @@ from distributed import Client, Event
 import dask_ddp
 from dask_ddp import _status, events
 from dask_ddp._slot import PROCESS, RankRun
-from dask_ddp.view import render_html
+from dask_ddp.view import progress_line, render_html
 
 _FILLED = "2 files in the cache"
 
@@ -38,10 +38,8 @@ def _busy_then(name: str) -> int:
 
 
 def _wait_for(job: dask_ddp.Job, what: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """The job's snapshot once ``what`` holds for it (the watcher wakes us on each status)."""
-    with job._cond:  # re-entrant: _snapshot() takes it again
-        assert job._cond.wait_for(lambda: what(job._snapshot()), timeout=60), job._snapshot()
-        return job._snapshot()
+    """The job's view state once ``what`` holds for it (checked at each status change)."""
+    return job.view_state(what, timeout=60)
 
 
 def test_waiting_ranks_show_their_phase(client: Client) -> None:
@@ -58,7 +56,7 @@ def test_waiting_ranks_show_their_phase(client: Client) -> None:
     page = render_html(snap)
     assert "starting (0 of 2 ranks in the process group)" in page
     assert "waiting for its worker to start the task" in page
-    assert f"r{blocked} submitted" in job._progress_line()
+    assert f"r{blocked} submitted" in progress_line(job.view_state())
 
     blocker.set()
     assert busy.result(timeout=60) == "held"

@@ -43,9 +43,6 @@ def test_listing_and_cache_filling_reach_the_view(
 
     # Rank 0's DataLoader workers fill the cache; rank 1 shares the host's cache and
     # shows the same progress.
-    with job._cond:
-        assert job._cond.wait_for(lambda: activity(job._snapshot()) == [done, done], timeout=60), (
-            activity(job._snapshot())
-        )
+    job.view_state(lambda s: activity(s) == [done, done], timeout=60)
     go.set()
     assert job.result(timeout=60) == [image_count, image_count]
