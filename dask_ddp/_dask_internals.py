@@ -8,7 +8,7 @@ distributed, so an upgrade that moves one of them fails there, not in a user's j
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 #: The distributed releases these functions were checked against.
@@ -53,3 +53,39 @@ def drop_topic(topic: str, client_id: str, dask_scheduler: Any = None) -> bool:
 
 
 # --- used by dask_ddp.data ---
+
+
+def read_worker_data(worker: Any, keys: Sequence[Hashable]) -> dict[Hashable, Any]:
+    """The values among ``keys`` that ``worker`` (this process's worker) holds in memory,
+    without a copy; read on the worker's event loop, which owns its data. Called from a
+    rank's thread.
+
+    Private: ``Worker.data`` (the worker's store) and ``distributed.utils.sync``.
+    """
+    from distributed.utils import sync
+
+    async def read() -> dict[Hashable, Any]:
+        data = worker.data
+        return {key: data[key] for key in keys if key in data}
+
+    return sync(worker.loop, read)
+
+
+def task_states(client: Any, keys: Sequence[Hashable]) -> dict[Hashable, str | None]:
+    """The scheduler's state of each key (None: it has forgotten the key).
+
+    Private: the scheduler's ``get_task_status`` handler, called through ``Client.scheduler``.
+    """
+    return client.sync(client.scheduler.get_task_status, keys=list(keys))
+
+
+def desire_keys(client: Any, keys: Sequence[Hashable]) -> None:
+    """Tell the scheduler that ``client`` wants ``keys``, for futures made from bare keys.
+
+    Since distributed 2025 a ``Future(key, client)`` no longer registers the client's
+    interest, so the client would never hear that the data is ready; this sends what
+    ``Client.get_dataset`` sends for the futures it unpickles.
+
+    Private: ``Client._send_to_scheduler`` and the ``client-desires-keys`` operation.
+    """
+    client._send_to_scheduler({"op": "client-desires-keys", "keys": list(keys)})

@@ -27,7 +27,7 @@ from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, se
 from .supervise import Supervisor
 
 if TYPE_CHECKING:
-    from .data import collections as _collections
+    from .data import _collection_plan as _collections
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def _launch(
     if datasets:
         # Imported here: the data modules (PIL, fsspec, dask.dataframe) cost every launch
         # ~80 ms and 8 MB otherwise, and most jobs bring no Dask collection.
-        from .data import collections as _collections
+        from .data import _collection_plan as _collections
 
         data = _collections._persist_datasets(client, datasets, job_id)
     launcher = _Launcher(

@@ -96,3 +96,32 @@ def test_drop_topic_keeps_a_topic_another_client_follows(client: Client) -> None
         assert dropped is False
         assert "dask-ddp-test-shared" in client.run_on_scheduler(_topics)
     assert client.run_on_scheduler(_dask_internals.drop_topic, "no-such-topic", client.id) is False
+
+
+# --- used by dask_ddp.data ---
+def _read_here(keys: list[str]) -> dict:
+    from distributed import get_worker
+
+    return _dask_internals.read_worker_data(get_worker(), keys)
+
+
+def test_read_worker_data_reads_this_workers_memory(client: Client) -> None:
+    w0, w1 = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    [held] = client.scatter([list(range(5))], workers=[w0])
+    here = client.submit(_read_here, [held.key, "no-such-key"], workers=[w0], pure=False)
+    assert here.result(timeout=30) == {held.key: [0, 1, 2, 3, 4]}
+    elsewhere = client.submit(_read_here, [held.key], workers=[w1], pure=False)
+    assert elsewhere.result(timeout=30) == {}
+
+
+def test_task_states_and_desire_keys(client: Client, cluster: distributed.LocalCluster) -> None:
+    [held] = client.scatter([41])
+    assert _dask_internals.task_states(client, [held.key, "no-such-key"]) == {
+        held.key: "memory",
+        "no-such-key": None,
+    }
+    with Client(cluster) as other:  # a second client, as a rank's, knows only the key
+        _dask_internals.desire_keys(other, [held.key])
+        future = distributed.Future(held.key, other)
+        assert future.result(timeout=30) == 41
+        future.release()

@@ -27,7 +27,7 @@ from dask_ddp.data import (
     DatasetTooSmallError,
     UnsupportedCollectionError,
 )
-from dask_ddp.data.collections import _plan_pieces
+from dask_ddp.data._collection_plan import _plan_pieces
 
 
 def _frame(n: int) -> pd.DataFrame:

@@ -19,12 +19,17 @@ __all__ = [
     "CorruptSampleError",
     "CorruptShardError",
     "DataNotFoundError",
+    "DatasetComputeError",
+    "DatasetNotFoundError",
+    "DatasetPartitionLostError",
+    "DatasetTooSmallError",
     "MissingFieldError",
     "NoSamplesError",
     "SampleFetchError",
     "ShardCountError",
     "ShardListError",
     "ShardNotFoundError",
+    "UnsupportedCollectionError",
 ]
 
 
@@ -262,6 +267,143 @@ class MissingFieldError(DaskDDPError, KeyError):
             f"sample {self.key!r} in {self.url} has no {self.wanted!r} field (it has: "
             f"{', '.join(self.available)}). Name alternatives with ';' in keys= (e.g. "
             "'jpg;png'), or leave keys=None to get every field in a dict"
+        )
+
+
+# -- Dask collections passed as datasets= (dask_ddp.data.collections) ---------------------
+
+
+class UnsupportedCollectionError(DaskDDPError, TypeError):
+    """A value in ``datasets=`` is not a dask.dataframe, dask.bag or dask.array collection.
+
+    Examples
+    --------
+    >>> print(UnsupportedCollectionError("train", "list"))  # doctest: +ELLIPSIS
+    datasets={'train': ...} is a list; launch(datasets=...) takes a dask.dataframe ...
+    """
+
+    def __init__(self, name: str, type_name: str) -> None:
+        super().__init__(name, type_name)
+        self.name, self.type_name = name, type_name
+
+    def __str__(self) -> str:
+        return (
+            f"datasets={{{self.name!r}: ...}} is a {self.type_name}; launch(datasets=...) "
+            "takes a dask.dataframe DataFrame or Series, a dask.bag Bag or a dask.array "
+            "Array (or dask_ddp.data.CollectionSource(collection, ...)). Wrap in-memory data "
+            "first, e.g. dask.dataframe.from_pandas(df, npartitions=8)"
+        )
+
+
+class DatasetTooSmallError(DaskDDPError, ValueError):
+    """A dataset has fewer rows than the job has ranks, so some rank would get none.
+
+    Examples
+    --------
+    >>> print(DatasetTooSmallError("train", 1, 2, True))  # doctest: +ELLIPSIS
+    dataset 'train' has 1 rows, fewer than the job's 2 ranks...
+    """
+
+    def __init__(self, name: str, rows: int, world_size: int, drop_last: bool) -> None:
+        super().__init__(name, rows, world_size, drop_last)
+        self.name, self.rows = name, rows
+        self.world_size, self.drop_last = world_size, drop_last
+
+    def __str__(self) -> str:
+        if self.rows == 0:
+            return (
+                f"dataset {self.name!r} has no rows: every partition is empty. Check the "
+                "collection (len(ddf)) before launching"
+            )
+        return (
+            f"dataset {self.name!r} has {self.rows} rows, fewer than the job's "
+            f"{self.world_size} ranks, and drop_last=True would leave every rank without "
+            "data. Pass CollectionSource(collection, drop_last=False) to pad, or use fewer "
+            "workers (launch(..., workers=N))"
+        )
+
+
+class DatasetComputeError(DaskDDPError, RuntimeError):
+    """Computing a dataset's partition on the cluster failed before the job started.
+
+    The partition's own exception is chained as ``__cause__``.
+
+    Examples
+    --------
+    >>> print(DatasetComputeError("train", 3, "('x', 3)", "ValueError: bad row"))
+    ... # doctest: +ELLIPSIS
+    dataset 'train': computing partition 3 (key ('x', 3)) failed: ValueError: bad row. ...
+    """
+
+    def __init__(self, name: str, partition: int, key: str, cause: str) -> None:
+        super().__init__(name, partition, key, cause)
+        self.name, self.partition, self.key, self.cause = name, partition, key, cause
+
+    def __str__(self) -> str:
+        return (
+            f"dataset {self.name!r}: computing partition {self.partition} (key {self.key}) "
+            f"failed: {self.cause}. No rank was started; fix the collection (compute one "
+            "partition with ddf.partitions[i].compute() to see the error) and launch again"
+        )
+
+
+class DatasetPartitionLostError(DaskDDPError, RuntimeError):
+    """A dataset's partition is no longer anywhere in the cluster and cannot be recomputed.
+
+    Raised on a rank when it fetches the partition, or on the client when a restart plans
+    the data again. It happens when the workers holding a partition that has no recipe (data
+    from ``client.scatter``, or a collection built on scattered futures) died.
+
+    Examples
+    --------
+    >>> err = DatasetPartitionLostError("train", 4, "('x', 4)", ("tcp://10.0.0.5:4000",), 1)
+    >>> print(err)  # doctest: +ELLIPSIS
+    dataset 'train': partition 4 (key ('x', 4)), last held by tcp://10.0.0.5:4000, is lost...
+    """
+
+    def __init__(
+        self,
+        name: str,
+        partition: int,
+        key: str,
+        holders: tuple[str, ...],
+        rank: int | None,
+    ) -> None:
+        super().__init__(name, partition, key, holders, rank)
+        self.name, self.partition, self.key = name, partition, key
+        self.holders, self.rank = holders, rank
+
+    def __str__(self) -> str:
+        where = ", ".join(self.holders) or "a worker that left"
+        who = f" (needed by rank {self.rank})" if self.rank is not None else ""
+        return (
+            f"dataset {self.name!r}: partition {self.partition} (key {self.key}), last held "
+            f"by {where}, is lost{who}: its worker left the cluster and Dask cannot compute "
+            "it again (its data came from client.scatter or other futures without a "
+            "recipe). Build the collection from a source Dask can recompute (files, "
+            "from_pandas, from_array), or persist it with replicas (client.replicate), and "
+            "launch again"
+        )
+
+
+class DatasetNotFoundError(DaskDDPError, KeyError):
+    """``get_dataset_shard(name)`` names a dataset the job was not launched with.
+
+    Examples
+    --------
+    >>> print(DatasetNotFoundError("valid", ("train",), 0))  # doctest: +ELLIPSIS
+    rank 0 has no dataset 'valid'; this job was launched with datasets=['train']. ...
+    """
+
+    def __init__(self, name: str, available: tuple[str, ...], rank: int) -> None:
+        super().__init__(name, available, rank)
+        self.name, self.available, self.rank = name, available, rank
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} has no dataset {self.name!r}; this job was launched with "
+            f"datasets={list(self.available)}. Pass it to the launch: "
+            f"dask_ddp.launch(client, train, datasets={{{self.name!r}: collection}})"
         )
 
 
