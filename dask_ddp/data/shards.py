@@ -70,16 +70,15 @@ from dask_ddp.data._errors import (
     check_int,
     check_on_corrupt,
 )
-from dask_ddp.data._workers import freeze_inherited_objects
-from dask_ddp.data.cache import LocalCache
-from dask_ddp.data.s3 import (
-    IMG_EXTENSIONS,
+from dask_ddp.data._fsclient import (
     _endpoint_of,
     _new_filesystem,
     _protocol_of,
     _storage_options,
-    decode_image,
 )
+from dask_ddp.data._imagefolder import IMG_EXTENSIONS, decode_image
+from dask_ddp.data._workers import freeze_inherited_objects
+from dask_ddp.data.cache import LocalCache
 
 __all__ = [
     "DEFAULT_DECODERS",

@@ -16,7 +16,7 @@ from dask_ddp.data import (
     FileDataset,
     NoSamplesError,
 )
-from dask_ddp.data.s3 import _storage_options
+from dask_ddp.data._fsclient import _storage_options
 
 
 def load_npy(data: bytes) -> np.ndarray:

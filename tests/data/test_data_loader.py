@@ -30,7 +30,7 @@ def test_dataloader_workers_with_distributed_sampler(s3_endpoint, s3_images, con
     to_tensor = transforms.ToTensor()
     ds = S3ImageFolder(bucket, prefix, transform=to_tensor, endpoint_url=s3_endpoint)
     ds[0]  # the parent creates its client first: forked workers must not share it
-    assert ds._fs is not None
+    assert ds._store.fs is not None
 
     seen = []
     for rank in range(2):  # rank 0 reads with 2 worker processes, rank 1 in-process
@@ -50,17 +50,17 @@ def test_pickle_drops_the_client(s3_endpoint, s3_images):
     ds = S3ImageFolder(bucket, prefix, endpoint_url=s3_endpoint, transform=transforms.ToTensor())
     first = ds[3]
     copy = pickle.loads(pickle.dumps(ds))
-    assert ds._fs is not None
-    assert copy._fs is None
+    assert ds._store.fs is not None
+    assert copy._store.fs is None
     assert copy.get_stats()["requested"] == 0
     again = copy[3]
     assert torch.equal(first[0], again[0])
     assert first[1] == again[1]
-    assert copy._fs is not ds._fs
+    assert copy._store.fs is not ds._store.fs
 
 
 def _read_in_child(ds: FileDataset, queue: multiprocessing.Queue) -> None:
-    queue.put((ds[0], ds._fs is not None))
+    queue.put((ds[0], ds._store.fs is not None))
 
 
 def test_forked_process_gets_its_own_client(s3_endpoint, s3_client, bucket):
