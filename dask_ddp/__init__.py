@@ -6,6 +6,7 @@ True
 """
 
 import importlib as _importlib
+import importlib.util as _importlib_util
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
@@ -88,6 +89,9 @@ _WHERE = {
 def __getattr__(name: str) -> _Any:
     module = _WHERE.get(name)
     if module is None:
+        # A submodule (dask_ddp.dispatch, dask_ddp.data, ...) after a bare `import dask_ddp`.
+        if not name.startswith("__") and _importlib_util.find_spec(f"{__name__}.{name}"):
+            return _importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'dask_ddp' has no attribute {name!r}")
     value = getattr(_importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # the next lookup is a plain module attribute

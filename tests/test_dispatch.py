@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -343,3 +345,12 @@ def test_cancel_releases_a_rank_waiting_for_its_peers(client: Client) -> None:
 def _hold_plain(name: str) -> str:
     Event(name).wait(timeout=60)
     return "held"
+
+
+def test_submodules_after_a_bare_import() -> None:
+    # dask_ddp loads its names on first use; dask_ddp.<submodule> works as it always did.
+    code = (
+        "import dask_ddp; assert dask_ddp.dispatch.run is dask_ddp.run; dask_ddp.data.S3ImageFolder"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -147,21 +147,7 @@ class FileDataset(Dataset):
         on_corrupt: OnCorrupt = "raise",
         freeze_gc: bool = True,
     ) -> None:
-        if isinstance(url, (str, os.PathLike)):
-            root_url: str | None = os.fspath(url)
-            urls = None
-            protocol = _protocol_of(root_url)
-        else:
-            urls = [os.fspath(u) for u in url]
-            if not urls:
-                raise ValueError("url= is an empty list; pass a prefix or at least one file URL")
-            root_url = None
-            protocols = {_protocol_of(u) for u in urls}
-            if len(protocols) > 1:
-                raise ValueError(
-                    f"every URL in url= must use one filesystem; got {sorted(protocols)}"
-                )
-            protocol = protocols.pop()
+        root_url, urls, protocol = _parse_url(url)
         if decode is not None and not callable(decode):
             raise TypeError(f"decode= takes a function bytes -> sample, got {decode!r}")
         check_int("concurrency", concurrency, 1)
@@ -189,7 +175,7 @@ class FileDataset(Dataset):
             self.root = root_url
             root = fsspec.core.strip_protocol(root_url).rstrip("/")
             _status.activity(f"{type(self).__name__}: listing {root_url}")
-            entries = self._list(root)
+            entries = self._store.list(root)
         else:
             common = os.path.commonprefix(urls)  # noqa: RUF071 - URLs, not OS paths
             self.root = common[: common.rfind("/") + 1] or common
@@ -208,22 +194,6 @@ class FileDataset(Dataset):
             _status.follow(fill_log, self._cache_progress)
 
     # -- construction -------------------------------------------------------------------
-
-    def _list(self, root: str) -> list[_Entry]:
-        """List every file under ``root`` once (one paginated listing on S3)."""
-        fs = self._store.filesystem()
-        url = self._url(root)
-        try:
-            found = fs.find(root, detail=True)
-        except FileNotFoundError as err:
-            raise DataNotFoundError(url, _missing_reason(self._store.protocol, root, err)) from err
-        if not found:
-            raise DataNotFoundError(url, "nothing is under it" + _nearby(fs, root, self._url))
-        entries = []
-        for path, info in sorted(found.items()):
-            token = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
-            entries.append((path, info.get("size"), str(token)))
-        return entries
 
     def _index(self, root: str, entries: list[_Entry]) -> None:
         """Choose the samples among ``entries``; subclasses override this."""
@@ -424,6 +394,22 @@ class _FileStore:
     def url(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path}"
 
+    def list(self, root: str) -> list[_Entry]:
+        """List every file under ``root`` once (one paginated listing on S3)."""
+        fs = self.filesystem()
+        url = self.url(root)
+        try:
+            found = fs.find(root, detail=True)
+        except FileNotFoundError as err:
+            raise DataNotFoundError(url, _missing_reason(self.protocol, root, err)) from err
+        if not found:
+            raise DataNotFoundError(url, "nothing is under it" + _nearby(fs, root, self.url))
+        entries = []
+        for path, info in sorted(found.items()):
+            token = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+            entries.append((path, info.get("size"), str(token)))
+        return entries
+
     def cache_key(self, path: str, size: int | None, token: str) -> str:
         """A sample's key in the host's cache: where it is, and its size and ETag/mtime."""
         return "|".join((self.endpoint, self.url(path), str(size), token))
@@ -507,3 +493,19 @@ def _count_fills(log: str, n: int) -> None:
             os.close(fd)
     except OSError:  # progress only: never fail a read for it
         logger.debug("could not count %d cache fills in %s", n, log, exc_info=True)
+
+
+def _parse_url(
+    url: str | os.PathLike[str] | Sequence[str],
+) -> tuple[str | None, list[str] | None, str]:
+    """``(prefix URL or None, file URLs or None, protocol)`` of a dataset's ``url=``."""
+    if isinstance(url, (str, os.PathLike)):
+        root_url = os.fspath(url)
+        return root_url, None, _protocol_of(root_url)
+    urls = [os.fspath(u) for u in url]
+    if not urls:
+        raise ValueError("url= is an empty list; pass a prefix or at least one file URL")
+    protocols = {_protocol_of(u) for u in urls}
+    if len(protocols) > 1:
+        raise ValueError(f"every URL in url= must use one filesystem; got {sorted(protocols)}")
+    return None, urls, protocols.pop()
