@@ -25,7 +25,7 @@ from typing import Any
 from . import _malloc, _output, _process, _status, events
 from ._slot import PROCESS, RankRun
 from .context import RankContext, _activated, _Checkpointing
-from .errors import PeerFailedError, RankAbortedError, RendezvousTimeoutError, WorkerBusyError
+from .errors import RankStoppedError, RendezvousTimeoutError, WorkerBusyError
 from .placement import RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class _Abort(BaseException):
     """Raised asynchronously in a rank's thread by :func:`abort_rank`.
 
     A BaseException, so that ``except Exception`` in training code does not swallow it;
-    :func:`run_rank` turns it into :class:`~dask_ddp.errors.RankAbortedError`.
+    :func:`run_rank` turns it into :class:`~dask_ddp.errors.RankStoppedError`.
     """
 
 
@@ -116,7 +116,7 @@ def drop_store(job_id: str, dask_worker: Any = None) -> bool:
 def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
     """Stop this process's rank of ``job_id``, if it is still in the user's function.
 
-    Raises :class:`~dask_ddp.errors.RankAbortedError` in the rank's thread at its next
+    Raises :class:`~dask_ddp.errors.RankStoppedError` in the rank's thread at its next
     Python instruction. A rank blocked inside a C++ collective only sees it once the
     collective returns; the client restarts such workers after a grace period.
     """
@@ -294,7 +294,7 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
         # store: the job went on without an abort.
         aborted = False
     if aborted:
-        raise RankAbortedError(spec.placement.rank, spec.job_id, "stopped while ranks gathered")
+        raise RankStoppedError(spec.placement.rank, "stopped while ranks gathered", job=spec.job_id)
 
 
 _ABORTED = b"aborted"
@@ -343,7 +343,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
     """The rank task: set up, run ``fn(*args, **kwargs)``, tear down.
 
     Re-raises the function's own exception unchanged on the rank that failed first; a rank
-    that fails because another one did raises :class:`~dask_ddp.errors.PeerFailedError`.
+    that fails because another one did raises :class:`~dask_ddp.errors.RankStoppedError`.
     """
     from distributed import get_worker
 
@@ -429,12 +429,14 @@ def _run_in_slot(
     except BaseException as exc:
         PROCESS.stop_running(run)
         if run.abort_reason is not None:
-            raise RankAbortedError(p.rank, spec.job_id, run.abort_reason) from exc
+            raise RankStoppedError(p.rank, run.abort_reason, job=spec.job_id) from exc
         first = _first_failure(store, p.rank, peer_lost=_process.is_peer_loss(exc))
         with PROCESS.lock:
             _process.sever(run.links)
         if first is not None:
-            raise PeerFailedError(p.rank, first, f"{type(exc).__name__}: {exc}") from exc
+            raise RankStoppedError(
+                p.rank, f"{type(exc).__name__}: {exc}", failed_rank=first
+            ) from exc
         raise
     finally:
         PROCESS.stop_running(run)

@@ -22,6 +22,7 @@ __all__ = [
     "PlacementError",
     "RankAbortedError",
     "RankFailedError",
+    "RankStoppedError",
     "RendezvousTimeoutError",
     "UnsafeResultPathError",
     "WorkerBusyError",
@@ -223,30 +224,63 @@ class WorkerLostError(DaskDDPError):
         )
 
 
-class PeerFailedError(DaskDDPError):
-    """Raised on a rank that stopped because another rank failed first.
+class RankStoppedError(DaskDDPError):
+    """Raised inside a rank that was stopped before it finished: another rank failed first
+    (``failed_rank``), or the client stopped the job (cancelled, or stopping it after a
+    failure). Its futures raise it; ``job.result()`` raises the first failure instead.
+
+    ``PeerFailedError`` and ``RankAbortedError`` are the same class, under the names of
+    the two cases it used to be split into.
+
+    Parameters
+    ----------
+    rank : int
+        The rank that stopped.
+    reason : str
+        Why: the failed rank's error (``"ValueError: bad batch"``) or the client's reason.
+    job : str, optional
+        The job's id, when the client stopped it.
+    failed_rank : int, optional
+        The rank that failed first; -1 for a peer whose process died without an error of
+        its own (its connection closed).
 
     Examples
     --------
-    >>> print(PeerFailedError(0, 1, "ValueError: bad batch"))  # doctest: +ELLIPSIS
+    >>> print(RankStoppedError(0, "ValueError: bad batch", failed_rank=1))
+    ... # doctest: +ELLIPSIS
     rank 0 stopped because rank 1 failed first (ValueError: bad batch); ...
+    >>> print(RankStoppedError(1, "cancelled by the user", job="3f2a"))
+    rank 1 of job 3f2a was stopped: cancelled by the user
     """
 
-    def __init__(self, rank: int, failed_rank: int, cause: str) -> None:
-        super().__init__(rank, failed_rank, cause)
-        self.rank, self.failed_rank, self.cause = rank, failed_rank, cause
+    def __init__(
+        self, rank: int, reason: str, job: str | None = None, failed_rank: int | None = None
+    ) -> None:
+        super().__init__(rank, reason, job, failed_rank)
+        self.rank, self.reason, self.job, self.failed_rank = rank, reason, job, failed_rank
+
+    @property
+    def cause(self) -> str:
+        """The failed rank's error, as ``PeerFailedError.cause`` was."""
+        return self.reason
 
     def __str__(self) -> str:
+        if self.failed_rank is None:
+            return f"rank {self.rank} of job {self.job} was stopped: {self.reason}"
         if self.failed_rank < 0:
             return (
                 f"rank {self.rank} stopped because a peer's connection closed without an "
-                f"error of its own ({self.cause}): a peer's worker process died or was "
+                f"error of its own ({self.reason}): a peer's worker process died or was "
                 "killed (out of memory, preemption)"
             )
         return (
             f"rank {self.rank} stopped because rank {self.failed_rank} failed first "
-            f"({self.cause}); see rank {self.failed_rank}'s error for the cause"
+            f"({self.reason}); see rank {self.failed_rank}'s error for the cause"
         )
+
+
+#: A rank stopped because another rank failed first (the name of that case).
+PeerFailedError = RankStoppedError
 
 
 class RetryableError(DaskDDPError):
@@ -288,21 +322,8 @@ class CheckpointDirMissingError(DaskDDPError, RuntimeError):
         )
 
 
-class RankAbortedError(DaskDDPError):
-    """Raised inside a rank that the client stopped (cancel, or another rank failed).
-
-    Examples
-    --------
-    >>> print(RankAbortedError(1, "3f2a", "cancelled by the user"))
-    rank 1 of job 3f2a was stopped: cancelled by the user
-    """
-
-    def __init__(self, rank: int, job: str, reason: str) -> None:
-        super().__init__(rank, job, reason)
-        self.rank, self.job, self.reason = rank, job, reason
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} of job {self.job} was stopped: {self.reason}"
+#: A rank the client stopped (the name of that case).
+RankAbortedError = RankStoppedError
 
 
 class JobCancelledError(DaskDDPError):

@@ -36,9 +36,8 @@ from ._model import JobModel, JobState
 from ._reader import EventReader
 from .errors import (
     JobCancelledError,
-    PeerFailedError,
-    RankAbortedError,
     RankFailedError,
+    RankStoppedError,
     RetryableError,
     WorkerLostError,
 )
@@ -288,7 +287,7 @@ class Supervisor:
         """Find the first-failing rank's error, stop the rest, and record the outcome."""
         model, world = self.model, len(self.attempt.workers)
         deadline = time.monotonic() + self.grace
-        while isinstance(error, (PeerFailedError, RankAbortedError)) and len(finished) < world:
+        while isinstance(error, RankStoppedError) and len(finished) < world:
             try:
                 kind, rank = self._get(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -301,7 +300,7 @@ class Supervisor:
                 finished.add(rank)
                 if model.futures[rank].status == "error":
                     candidate = self._rank_error(rank)
-                    if not isinstance(candidate, (PeerFailedError, RankAbortedError)):
+                    if not isinstance(candidate, RankStoppedError):
                         error = candidate
         model.error, model.state = error, JobState.FAILED
         model.refresh_views()
@@ -391,7 +390,7 @@ _CARETS = re.compile(r"^\s*[\^~]+\s*$")
 
 def _job_error(rank: int, worker: str, fut: Any, exc: BaseException) -> BaseException:
     """The job's error for rank ``rank`` whose future ``fut`` raised ``exc``."""
-    if isinstance(exc, (PeerFailedError, RankAbortedError)):
+    if isinstance(exc, RankStoppedError):
         return exc
     text = _user_traceback(exc, fut.traceback())
     error = RankFailedError(rank, worker, fut.key, f"{type(exc).__name__}: {exc}", text)
@@ -419,6 +418,6 @@ def _retryable(error: BaseException | None) -> bool:
     """Worker loss, and RetryableError raised by a rank, earn a restart."""
     if isinstance(error, WorkerLostError):
         return True
-    if isinstance(error, PeerFailedError):
+    if isinstance(error, RankStoppedError) and error.failed_rank is not None:
         return error.failed_rank < 0  # a peer's process died without an error of its own
     return isinstance(error, RankFailedError) and isinstance(error.__cause__, RetryableError)

@@ -120,7 +120,8 @@ def test_errors_pickle() -> None:
 
     samples = [
         errors.RankFailedError(1, "tcp://w:1", "key", "ValueError: x", "tb"),
-        errors.PeerFailedError(0, 1, "RuntimeError: closed"),
+        errors.RankStoppedError(0, "RuntimeError: closed", failed_rank=1),
+        errors.RankStoppedError(1, "cancelled by the user", job="3f2a"),
         errors.RendezvousTimeoutError(1, "tcp://w:1", "key", 60.0, "1 of 2 joined"),
         errors.WorkerBusyError("tcp://w:1", "dask-ddp-x-rank-0"),
         errors.BackendUnavailableError("nccl", "tcp://w:1", "no GPU", "Pass gloo."),
