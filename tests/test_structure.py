@@ -25,10 +25,6 @@ def _name(path: Path) -> str:
     return str(path.relative_to(PACKAGE.parent))
 
 
-# Still to split (issue 16): the shard reader, 1,870 lines with ShardListDataset at ~660.
-# Listed here so that the limits hold for everything else; remove the entry with the split.
-NOT_YET_SPLIT = {"dask_ddp/data/shards.py"}
-
 # Private attributes of distributed's objects, as this package names them: a scheduler,
 # client or worker (or their private parts) reached through a leading underscore, the
 # worker's handler table and stored data, and distributed's sync helper.
@@ -39,13 +35,13 @@ PRIVATE_DISTRIBUTED = re.compile(
 )
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if _name(p) not in NOT_YET_SPLIT], ids=_name)
+@pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_module_is_small(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{_name(path)} has {lines} lines: split it by what it owns"
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if _name(p) not in NOT_YET_SPLIT], ids=_name)
+@pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_classes_are_small(path: Path) -> None:
     tree = ast.parse(path.read_text())
     big = {

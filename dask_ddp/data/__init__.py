@@ -17,6 +17,7 @@ host-local disk cache (``cache_dir=``). See ``docs/data.md``.
 """
 
 from dask_ddp.data._errors import (
+    CorruptDataError,
     CorruptSampleError,
     CorruptShardError,
     DataNotFoundError,
@@ -49,6 +50,7 @@ __all__ = [
     "DEFAULT_DECODERS",
     "IMG_EXTENSIONS",
     "CollectionSource",
+    "CorruptDataError",
     "CorruptSampleError",
     "CorruptShardError",
     "DataNotFoundError",

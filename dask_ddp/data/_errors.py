@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from typing import Any
 
 from dask_ddp.errors import DaskDDPError
 
 __all__ = [
+    "CorruptDataError",
     "CorruptSampleError",
     "CorruptShardError",
     "DataNotFoundError",
@@ -34,70 +36,150 @@ __all__ = [
 
 
 class DataNotFoundError(DaskDDPError, FileNotFoundError):
-    """The bucket, prefix or path a dataset was built on does not exist or holds nothing.
+    """The data a dataset was built on is not there: a bucket, prefix or path that does not
+    exist or holds no sample it accepts, or a shard that its shard list names.
+
+    ``NoSamplesError`` and ``ShardNotFoundError`` are this class, under the names of those
+    cases.
 
     Parameters
     ----------
     url : str
-        The URL the dataset was asked to read, e.g. ``"s3://bucket/train"``.
+        The URL that was asked for, e.g. ``"s3://bucket/train"`` or a shard's URL.
     reason : str
-        What is missing, as a sentence fragment.
+        What is missing, as a sentence fragment (for a shard: the filesystem's error).
+    listed_in : str, optional
+        For a shard: the shard list that names it.
 
     Examples
     --------
     >>> str(DataNotFoundError("s3://missing-bucket/train", "the bucket does not exist"))
     'cannot build a dataset from s3://missing-bucket/train: the bucket does not exist'
+    >>> err = DataNotFoundError("s3://b/shard-000007.tar", "no such key", listed_in="s3://b/shards.json")
+    >>> isinstance(err, FileNotFoundError)
+    True
+    >>> print(err)  # doctest: +ELLIPSIS
+    shard s3://b/shard-000007.tar does not exist (no such key), but s3://b/shards.json lists it...
     """
 
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(url, reason)
-        self.url, self.reason = url, reason
+    def __init__(self, url: str, reason: str, listed_in: str | None = None) -> None:
+        super().__init__(url, reason, listed_in)
+        self.url, self.reason, self.listed_in = url, reason, listed_in
 
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+    def __reduce__(self) -> tuple[type, tuple[str, str, str | None]]:
         # OSError's own __reduce__ would rebuild the exception from (errno, strerror).
-        return type(self), (self.url, self.reason)
+        return type(self), (self.url, self.reason, self.listed_in)
+
+    @property
+    def source(self) -> str | None:
+        """The shard list that names a missing shard (``ShardNotFoundError.source``)."""
+        return self.listed_in
+
+    @property
+    def cause(self) -> str:
+        return self.reason
 
     def __str__(self) -> str:
+        if self.listed_in is not None:
+            return (
+                f"shard {self.url} does not exist ({self.reason}), but {self.listed_in} lists "
+                "it. Upload the shard, or regenerate the shard list (write_shards writes both)"
+            )
         return f"cannot build a dataset from {self.url}: {self.reason}"
 
 
-class NoSamplesError(DataNotFoundError):
-    """Objects exist under the URL, but none of them is a sample the dataset accepts.
+#: Objects exist under the URL, but none is a sample the dataset accepts.
+NoSamplesError = DataNotFoundError
 
-    Examples
-    --------
-    >>> err = NoSamplesError("s3://bucket/docs", "3 objects, none ending in .jpg or .png")
-    >>> isinstance(err, FileNotFoundError)
-    True
-    """
+#: A shard named in the shard list does not exist.
+ShardNotFoundError = DataNotFoundError
 
 
-class CorruptSampleError(DaskDDPError, ValueError):
-    """A sample was read, but the decode function could not decode it.
+class CorruptDataError(DaskDDPError, ValueError):
+    """Data was read but is not what it should be: a sample its decoder cannot decode, a
+    shard that is not a readable tar file, or a shard holding another number of samples
+    than its shard list says.
+
+    ``CorruptSampleError``, ``CorruptShardError`` and ``ShardCountError`` are this class,
+    under the names of those cases.
 
     Parameters
     ----------
     url : str
-        The sample's URL, e.g. ``"s3://bucket/train/cat/0001.jpg"``.
+        The sample's or shard's URL.
     cause : str
-        The decoder's error message.
+        What is wrong: the decoder's error, or what is wrong with the shard.
+    what : {"sample", "shard"}
+        What is corrupt.
+    listed_in : str, optional
+        For a shard whose sample count is off: the shard list, with ``expected`` (its
+        ``nsamples``) and ``found``.
 
     Examples
     --------
-    >>> err = CorruptSampleError("s3://b/train/cat/1.jpg", "cannot identify image file")
-    >>> print(err)  # doctest: +ELLIPSIS
+    >>> print(CorruptDataError("s3://b/train/cat/1.jpg", "cannot identify image file"))
+    ... # doctest: +ELLIPSIS
     cannot decode s3://b/train/cat/1.jpg: cannot identify image file. Replace or delete ...
+    >>> print(CorruptDataError("s3://b/shard-000002.tar", "truncated at byte 512", "shard"))
+    ... # doctest: +ELLIPSIS
+    shard s3://b/shard-000002.tar is not a readable tar file: truncated at byte 512. ...
     """
 
-    def __init__(self, url: str, cause: str) -> None:
-        super().__init__(url, cause)
-        self.url, self.cause = url, cause
+    def __init__(
+        self,
+        url: str,
+        cause: str,
+        what: str = "sample",
+        *,
+        listed_in: str | None = None,
+        expected: int | None = None,
+        found: int | None = None,
+    ) -> None:
+        super().__init__(url, cause, what)
+        self.url, self.cause, self.what = url, cause, what
+        self.listed_in, self.expected, self.found = listed_in, expected, found
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {"listed_in": self.listed_in, "expected": self.expected, "found": self.found}
+        return _rebuild_corrupt, (self.url, self.cause, self.what, fields)
+
+    @classmethod
+    def count(cls, url: str, listed_in: str, expected: int, found: int) -> CorruptDataError:
+        """A shard holding ``found`` samples where ``listed_in`` says ``expected``."""
+        cause = f"it holds {found} samples, but {listed_in} says {expected} (nsamples)"
+        return cls(url, cause, "shard", listed_in=listed_in, expected=expected, found=found)
 
     def __str__(self) -> str:
+        if self.what == "sample":
+            return (
+                f"cannot decode {self.url}: {self.cause}. Replace or delete the object, or "
+                "pass on_corrupt='skip' to read the next readable sample in its place"
+            )
+        if self.expected is not None:
+            return (
+                f"shard {self.url} holds {self.found} samples, but {self.listed_in} says "
+                f"{self.expected} (nsamples). The shard list is out of date or the shard was "
+                "rewritten: regenerate the list (write_shards), or correct its nsamples"
+            )
         return (
-            f"cannot decode {self.url}: {self.cause}. Replace or delete the object, or pass "
-            "on_corrupt='skip' to read the next readable sample in its place"
+            f"shard {self.url} is not a readable tar file: {self.cause}. Its local copy "
+            "(if cached) was deleted, so the next read downloads it again; if the stored "
+            "shard itself is damaged, rewrite it (write_shards)"
         )
+
+
+def _rebuild_corrupt(url: str, cause: str, what: str, fields: dict[str, Any]) -> CorruptDataError:
+    return CorruptDataError(url, cause, what, **fields)
+
+
+#: A sample that its decoder could not decode.
+CorruptSampleError = CorruptDataError
+
+#: A shard that is not a readable, uncompressed tar file.
+CorruptShardError = CorruptDataError
+
+#: A shard holding a different number of samples than its shard list says.
+ShardCountError = CorruptDataError
 
 
 class SampleFetchError(DaskDDPError, OSError):
@@ -159,92 +241,6 @@ class ShardListError(DaskDDPError, ValueError):
             '{"shardlist": [{"url": "shard-000000.tar", "nsamples": 1000}, ...]} (relative '
             "URLs are resolved against the JSON file's folder), or a Python list of such "
             "dicts; dask_ddp.data.write_shards writes one"
-        )
-
-
-class ShardNotFoundError(DaskDDPError, FileNotFoundError):
-    """A shard named in the shard list does not exist.
-
-    Parameters
-    ----------
-    url : str
-        The shard's URL.
-    source : str
-        Where the shard list came from.
-    cause : str
-        The filesystem's error, as ``"ExceptionType: message"``.
-
-    Examples
-    --------
-    >>> err = ShardNotFoundError("s3://b/shard-000007.tar", "s3://b/shards.json", "no such key")
-    >>> isinstance(err, FileNotFoundError)
-    True
-    >>> print(err)  # doctest: +ELLIPSIS
-    shard s3://b/shard-000007.tar does not exist (no such key), but s3://b/shards.json lists it...
-    """
-
-    def __init__(self, url: str, source: str, cause: str) -> None:
-        super().__init__(url, source, cause)
-        self.url, self.source, self.cause = url, source, cause
-
-    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
-        return type(self), (self.url, self.source, self.cause)
-
-    def __str__(self) -> str:
-        return (
-            f"shard {self.url} does not exist ({self.cause}), but {self.source} lists it. "
-            "Upload the shard, or regenerate the shard list (write_shards writes both)"
-        )
-
-
-class ShardCountError(DaskDDPError, ValueError):
-    """A shard holds a different number of samples than its shard list says.
-
-    Examples
-    --------
-    >>> print(ShardCountError("/data/shard-000001.tar", "/data/shards.json", 1000, 998))
-    ... # doctest: +ELLIPSIS
-    shard /data/shard-000001.tar holds 998 samples, but /data/shards.json says 1000 (nsamples)...
-    """
-
-    def __init__(self, url: str, source: str, expected: int, found: int) -> None:
-        super().__init__(url, source, expected, found)
-        self.url, self.source, self.expected, self.found = url, source, expected, found
-
-    def __str__(self) -> str:
-        return (
-            f"shard {self.url} holds {self.found} samples, but {self.source} says "
-            f"{self.expected} (nsamples). The shard list is out of date or the shard was "
-            "rewritten: regenerate the list (write_shards), or correct its nsamples"
-        )
-
-
-class CorruptShardError(DaskDDPError, ValueError):
-    """A shard is not a readable, uncompressed tar file.
-
-    Parameters
-    ----------
-    url : str
-        The shard's URL.
-    cause : str
-        What is wrong with it.
-
-    Examples
-    --------
-    >>> print(CorruptShardError("s3://b/shard-000002.tar", "truncated at byte 512"))
-    ... # doctest: +ELLIPSIS
-    shard s3://b/shard-000002.tar is not a readable tar file: truncated at byte 512. ...
-    """
-
-    def __init__(self, url: str, cause: str) -> None:
-        super().__init__(url, cause)
-        self.url, self.cause = url, cause
-
-    def __str__(self) -> str:
-        return (
-            f"shard {self.url} is not a readable tar file: {self.cause}. Its local copy "
-            "(if cached) was deleted, so the next read downloads it again; if the stored "
-            "shard itself is damaged, rewrite it (write_shards)"
         )
 
 
@@ -445,7 +441,7 @@ class CorruptSamples:
     def __contains__(self, index: object) -> bool:
         return index in self._indices
 
-    def mark(self, index: int, err: CorruptSampleError, stats: Counter[str]) -> None:
+    def mark(self, index: int, err: CorruptDataError, stats: Counter[str]) -> None:
         """Remember ``index`` as corrupt, count it in ``stats`` and log it."""
         self._indices.add(index)
         stats["corrupt"] += 1

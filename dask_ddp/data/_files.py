@@ -23,10 +23,9 @@ from torch.utils.data import Dataset
 
 from dask_ddp import _status
 from dask_ddp.data._errors import (
-    CorruptSampleError,
+    CorruptDataError,
     CorruptSamples,
     DataNotFoundError,
-    NoSamplesError,
     SampleFetchError,
     check_int,
     check_on_corrupt,
@@ -63,7 +62,7 @@ class FileDataset(Dataset):
         supported: use ``cache_dir=``.
     decode : callable, optional
         ``decode(data: bytes) -> sample``. An exception it raises becomes a
-        :class:`CorruptSampleError` naming the file. Default: the raw bytes.
+        :class:`CorruptDataError` naming the file. Default: the raw bytes.
     transform : callable, optional
         Applied to each decoded sample.
     suffixes : sequence of str, optional
@@ -92,7 +91,7 @@ class FileDataset(Dataset):
         S3 only: extra attempts for a request that failed transiently (5xx, throttling,
         reset connections, timeouts), with exponential backoff and jitter.
     on_corrupt : {"raise", "skip"}, default "raise"
-        What to do when ``decode`` fails. ``"raise"`` raises :class:`CorruptSampleError`.
+        What to do when ``decode`` fails. ``"raise"`` raises :class:`CorruptDataError`.
         ``"skip"`` returns the next readable sample (index + 1, + 2, ...) in its place, so
         batch sizes and epoch lengths stay the same on every rank, logs a warning once
         per corrupt file and process, and counts it in :meth:`get_stats`.
@@ -106,7 +105,7 @@ class FileDataset(Dataset):
     ------
     DataNotFoundError
         The bucket or path does not exist, or nothing is under the prefix.
-    NoSamplesError
+    DataNotFoundError
         Files exist but none passes ``suffixes`` / ``is_valid_file``.
     ValueError, TypeError
         An argument is invalid.
@@ -199,7 +198,7 @@ class FileDataset(Dataset):
         """Choose the samples among ``entries``; subclasses override this."""
         kept = [e for e in entries if not e[0].endswith("/") and self._accepts(e[0])]
         if not kept:
-            raise NoSamplesError(
+            raise DataNotFoundError(
                 self.root,
                 f"{len(entries)} files are under it but none is accepted"
                 + (f" (suffixes={self.suffixes})" if self.suffixes else "")
@@ -307,7 +306,7 @@ class FileDataset(Dataset):
     def _sample(self, index: int, data: bytes) -> Any:
         try:
             obj = self._decode(index, data)
-        except CorruptSampleError as err:
+        except CorruptDataError as err:
             if self.on_corrupt == "raise":
                 raise
             self._bad.mark(index, err, self._stats)
@@ -320,7 +319,7 @@ class FileDataset(Dataset):
         try:
             return self.decode(data)
         except Exception as err:
-            raise CorruptSampleError(
+            raise CorruptDataError(
                 self._url(self._paths[index]), f"{type(err).__name__}: {err}"
             ) from err
 
@@ -336,7 +335,7 @@ class FileDataset(Dataset):
             data = self._read([j])[0]
             try:
                 obj = self._decode(j, data)
-            except CorruptSampleError as err:
+            except CorruptDataError as err:
                 self._bad.mark(j, err, self._stats)
                 index = j
                 continue

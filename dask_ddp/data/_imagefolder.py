@@ -14,7 +14,7 @@ from typing import Any
 
 from PIL import Image
 
-from dask_ddp.data._errors import NoSamplesError
+from dask_ddp.data._errors import DataNotFoundError
 from dask_ddp.data._files import FileDataset, OnCorrupt, _Entry
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -98,7 +98,7 @@ class S3ImageFolder(FileDataset):
     ------
     DataNotFoundError
         The bucket does not exist, or nothing is under the prefix.
-    NoSamplesError
+    DataNotFoundError
         Objects exist but there are no class folders, no images, or (unless
         ``allow_empty``) a class folder without images.
 
@@ -190,7 +190,7 @@ class S3ImageFolder(FileDataset):
                 folder, _, name = rest.rpartition("/")
                 images.append(((cls, folder, name), path, size, token))
         if not classes:
-            raise NoSamplesError(
+            raise DataNotFoundError(
                 self.root,
                 f"{len(entries)} objects are under it but no class folder: S3ImageFolder "
                 f"expects keys like {self.root}/<class>/<image>.jpg",
@@ -207,12 +207,12 @@ class S3ImageFolder(FileDataset):
             else "looked for " + ", ".join(IMG_EXTENSIONS)
         )
         if not images:
-            raise NoSamplesError(
+            raise DataNotFoundError(
                 self.root, f"{len(entries)} objects are under it but no image ({wanted})"
             )
         empty = sorted(classes - {cls for (cls, _, _), *_ in images})
         if empty and not self.allow_empty:
-            raise NoSamplesError(
+            raise DataNotFoundError(
                 self.root,
                 f"the class folders {', '.join(empty)} hold no image ({wanted}); delete "
                 "them, or pass allow_empty=True to keep them as classes without samples",

@@ -10,6 +10,7 @@ import json
 import logging
 import pickle
 import tarfile
+import threading
 import weakref
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 import dask_ddp
-import dask_ddp.data.shards as shards_module
+import dask_ddp.data._shard_files as shard_files_module
+import dask_ddp.data._tar as tar_module
 from dask_ddp.data import (
     CorruptSampleError,
     CorruptShardError,
@@ -62,7 +64,9 @@ def cached_shards(cache_dir: Path) -> list[Path]:
 @pytest.fixture(autouse=True)
 def _default_cache_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Datasets without cache_dir= keep their shard indexes here, not in the real tempdir."""
-    monkeypatch.setattr(shards_module, "_default_cache_dir", lambda: tmp_path / "default-cache")
+    monkeypatch.setattr(
+        shard_files_module, "_default_cache_dir", lambda: tmp_path / "default-cache"
+    )
 
 
 @pytest.fixture
@@ -371,7 +375,7 @@ def _members(tar_bytes: bytes) -> list[tuple[str, int, int]]:
 def _scan(path: Path, data: bytes) -> list[tuple[str, int, int]] | None:
     path.write_bytes(data)
     with open(path, "rb") as f:
-        found = shards_module._scan_plain_tar(f, len(data))
+        found = tar_module._scan_plain_tar(f, len(data))
     return None if found is None else list(zip(found[0], found[1], found[2], strict=True))
 
 
@@ -557,14 +561,14 @@ def test_workers_download_the_next_shard_ahead(s3_endpoint, bucket, tmp_path, fl
         cache_dir=tmp_path,
     )  # fmt: skip
     sampler = DistributedChunkedSampler(ds, num_replicas=1, rank=0, seed=3)
-    assert ds._plan == tuple(dict.fromkeys(i // 10 for i in sampler))  # the shard order
+    assert ds.shard_order == tuple(dict.fromkeys(i // 10 for i in sampler))  # the shard order
     loader = DataLoader(ds, batch_size=None, sampler=sampler, num_workers=1)
     items = list(loader)
     assert [int(cls) for (cls,), _ in items] == list(sampler)
     stats = items[-1][1]  # the worker's counters after its last read
     assert stats["frozen"] > 100_000  # the worker hid torch's objects from the collector
     assert gc.get_freeze_count() == 0  # this process never freezes
-    ds._prefetcher.wait_idle(30)
+    assert ds.wait_prefetched(30)
     # Each shard was downloaded once on the host: the first ones by this process as the
     # epoch started (see the next test), the rest by the worker, ...
     assert stats["downloads"] + ds.get_stats()["downloads"] == 6
@@ -584,21 +588,22 @@ def test_iterating_the_sampler_starts_the_first_downloads(s3_endpoint, bucket, t
         prefetch=prefetch,
     )  # fmt: skip
     sampler = DistributedChunkedSampler(ds, num_replicas=1, rank=0, seed=1)
-    assert cached_shards(tmp_path) == [] and ds._prefetcher is None
+    assert cached_shards(tmp_path) == [] and not ds.prefetching
     first = next(iter(sampler))
     if prefetch == 0:
-        assert ds._prefetcher is None
+        assert not ds.prefetching and ds.get_stats()["downloads"] == 0
         return
-    assert ds._prefetcher.wait_idle(30)
+    assert ds.wait_prefetched(30)
     stats = ds.get_stats()
     assert (stats["requested"], stats["downloads"]) == (0, 1 + prefetch)
     assert len(cached_shards(tmp_path)) == 1 + prefetch
     ds[first]
     assert ds.get_stats()["cache_hits"] == 1  # the first read found its shard on disk
     # Nothing outlives the downloads: a rank's process runs job after job.
-    assert ds._prefetcher.wait_idle(30)
-    ds._prefetcher.thread.join(30)
-    assert not ds._prefetcher.thread.is_alive()
+    assert ds.wait_prefetched(30) and not ds.prefetching
+    for thread in threading.enumerate():
+        if thread.name == "dask-ddp-prefetch-shards":
+            thread.join(30)  # it has returned from its work: only its exit is left
     gone = weakref.ref(ds)
     del ds, sampler
     gc.collect()
