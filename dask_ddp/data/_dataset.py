@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from dask.utils import parse_bytes
 from torch.utils.data import Dataset
@@ -18,6 +18,7 @@ from dask_ddp.data._codecs import _SampleDecoding
 from dask_ddp.data._errors import (
     CorruptDataError,
     DataNotFoundError,
+    OnCorrupt,
     ShardListError,
     check_int,
     check_on_corrupt,
@@ -31,9 +32,6 @@ from dask_ddp.data._shard_order import _ShardOrder
 from dask_ddp.data._tar import _Index, _Shard
 
 logger = logging.getLogger("dask_ddp.data.shards")
-
-
-OnCorrupt = Literal["raise", "skip"]
 
 
 class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 from dask_ddp.errors import DaskDDPError
 
@@ -413,6 +413,10 @@ def check_int(name: str, value: object, minimum: int) -> None:
     """
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}= must be an int >= {minimum}, got {value!r}")
+
+
+OnCorrupt = Literal["raise", "skip"]
+"""What a dataset does with a sample that does not decode (``on_corrupt=``)."""
 
 
 def check_on_corrupt(value: object) -> None:

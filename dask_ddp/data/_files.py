@@ -14,7 +14,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import fsspec
 import fsspec.asyn
@@ -26,6 +26,7 @@ from dask_ddp.data._errors import (
     CorruptDataError,
     CorruptSamples,
     DataNotFoundError,
+    OnCorrupt,
     SampleFetchError,
     check_int,
     check_on_corrupt,
@@ -44,7 +45,6 @@ from dask_ddp.data.cache import LocalCache
 
 logger = logging.getLogger("dask_ddp.data.s3")  # the name users configure, as before
 
-OnCorrupt = Literal["raise", "skip"]
 
 _Entry = tuple[str, "int | None", str]  # (path without protocol, size, ETag or mtime)
 
@@ -166,7 +166,6 @@ class FileDataset(Dataset):
         )
         cache = LocalCache(cache_dir) if cache_dir is not None else None
         self._store = _FileStore(protocol, options, retries, concurrency, cache)
-        self._cache = cache
         self._bad = CorruptSamples(logger)
 
         start = time.perf_counter()
@@ -273,6 +272,10 @@ class FileDataset(Dataset):
         """
         keys = ("requested", "cache_hits", "fetched", "fetched_bytes", "corrupt", "skipped")
         return {k: self._stats[k] for k in keys}
+
+    @property
+    def _cache(self) -> LocalCache | None:
+        return self._store.cache
 
     @property
     def _stats(self) -> Counter[str]:

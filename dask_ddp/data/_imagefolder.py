@@ -14,8 +14,8 @@ from typing import Any
 
 from PIL import Image
 
-from dask_ddp.data._errors import DataNotFoundError
-from dask_ddp.data._files import FileDataset, OnCorrupt, _Entry
+from dask_ddp.data._errors import DataNotFoundError, OnCorrupt
+from dask_ddp.data._files import FileDataset, _Entry
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """torchvision's ``IMG_EXTENSIONS`` (the tests check they agree), copied so that this

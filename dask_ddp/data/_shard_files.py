@@ -43,8 +43,6 @@ from dask_ddp.data.cache import LocalCache
 logger = logging.getLogger("dask_ddp.data.shards")
 
 
-_DEFAULT_CHUNK = 1000
-"""Sampler chunk size when the dataset does not say where its shards start."""
 _MISS_WARN_AFTER, _MISS_WARN_RATE = 256, 0.3
 
 
