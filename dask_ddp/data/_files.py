@@ -274,10 +274,6 @@ class FileDataset(Dataset):
         return {k: self._stats[k] for k in keys}
 
     @property
-    def _cache(self) -> LocalCache | None:
-        return self._store.cache
-
-    @property
     def _stats(self) -> Counter[str]:
         return self._store.stats
 

@@ -64,7 +64,7 @@ def test_truncated_cache_file_is_fetched_again(s3_endpoint, s3_images, tmp_path)
     bucket, prefix, _ = s3_images
     ds = S3ImageFolder(bucket, prefix, endpoint_url=s3_endpoint, cache_dir=tmp_path)
     good = ds[4]
-    ds._cache.path(ds._cache_key(4)).write_bytes(b"\xff\xd8 half a JPEG")
+    ds._store.cache.path(ds._cache_key(4)).write_bytes(b"\xff\xd8 half a JPEG")
     again = ds[4]
     assert again[0].tobytes() == good[0].tobytes()
     assert ds.get_stats()["fetched"] == 2
