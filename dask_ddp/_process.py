@@ -4,6 +4,8 @@ Each one reaches below Python's usual abstractions, and each was needed on the r
 
 - :func:`raise_in_thread`: stop a rank's thread from outside (``PyThreadState_SetAsyncExc``).
 - :func:`children_allowed`: let a daemonic Dask worker start DataLoader worker processes.
+- :func:`platform_start_method`: start them the way they start under torchrun (fork on
+  Linux before Python 3.14), not with the spawn that a Dask worker inherits.
 - :func:`socket_fds`, :func:`process_group_links`, :func:`sever`: find the sockets that
   ``init_process_group`` opened and shut them down, so gloo's peers fail in milliseconds.
 - :func:`dask_ports`: the worker's own ports, never among the sockets shut down.
@@ -28,6 +30,7 @@ __all__ = [
     "children_allowed",
     "dask_ports",
     "is_peer_loss",
+    "platform_start_method",
     "process_group_links",
     "raise_in_thread",
     "sever",
@@ -71,6 +74,31 @@ def children_allowed(allowed: bool) -> Iterator[None]:
     finally:
         if allowed and was:
             config["daemon"] = was
+
+
+@contextlib.contextmanager
+def platform_start_method() -> Iterator[None]:
+    """Make the platform's default the default start method while the block runs.
+
+    A Dask worker process is started with spawn, and a spawned process inherits spawn as
+    its default, so ``DataLoader(num_workers=2)`` in a rank would spawn its workers and
+    pickle the dataset, where under torchrun (a plain process) it forks: code whose
+    dataset holds a local function (wids's notebooks do) fails with "Can't pickle local
+    object". The default is restored afterwards; ``multiprocessing_context=`` still wins.
+
+    >>> with platform_start_method():
+    ...     multiprocessing.get_start_method() == multiprocessing.get_all_start_methods()[0]
+    True
+    """
+    was = multiprocessing.get_start_method(allow_none=True)
+    default = multiprocessing.get_all_start_methods()[0]
+    if was != default:
+        multiprocessing.set_start_method(default, force=True)
+    try:
+        yield
+    finally:
+        if was != default:
+            multiprocessing.set_start_method(was, force=True)
 
 
 def socket_fds() -> set[int]:

@@ -367,6 +367,7 @@ def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) 
             _patched_environ(_torchrun_env(spec)),
             _thread_share(spec),
             _process.children_allowed(spec.allow_daemon_children),
+            _process.platform_start_method(),
             _malloc.tuned(spec.tune_malloc),
         ):
             value = _run_in_slot(fn, args, kwargs, spec, run, worker)

@@ -118,3 +118,22 @@ def test_dask_ports_names_the_worker_and_its_scheduler() -> None:
 )
 def test_is_peer_loss(exc: BaseException, lost: bool) -> None:
     assert _process.is_peer_loss(exc) is lost
+
+
+def _start_methods(results) -> None:
+    before = multiprocessing.get_start_method()
+    with _process.platform_start_method():
+        inside = multiprocessing.get_start_method()
+    results.put((before, inside, multiprocessing.get_start_method()))
+
+
+def test_platform_start_method_undoes_what_a_spawned_worker_inherits() -> None:
+    # A Dask worker is a spawned process: its own default is spawn, not the platform's.
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_start_methods, args=(results,))
+    proc.start()
+    outcome = results.get(timeout=60)
+    proc.join(60)
+    default = multiprocessing.get_all_start_methods()[0]
+    assert outcome == ("spawn", default, "spawn")
