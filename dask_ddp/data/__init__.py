@@ -27,6 +27,7 @@ from dask_ddp.data._errors import (
     ShardCountError,
     ShardListError,
     ShardNotFoundError,
+    StorageAccessError,
 )
 from dask_ddp.data.cache import LocalCache
 from dask_ddp.data.collections import (
@@ -70,6 +71,7 @@ __all__ = [
     "ShardListDataset",
     "ShardListError",
     "ShardNotFoundError",
+    "StorageAccessError",
     "UnsupportedCollectionError",
     "decode_image",
     "write_shards",

@@ -65,22 +65,86 @@ extension (``seg.png`` decodes as ``png``): images to RGB :class:`PIL.Image.Imag
 fields stay bytes (pickles are never unpickled)."""
 
 
+Decode = bool | Mapping[str, Callable[[bytes], Any] | None] | Callable[..., Any]
+"""What ``ShardListDataset(decode=...)`` takes."""
+
+
 class _SampleDecoding:
     """The part of :class:`~dask_ddp.data.ShardListDataset` that turns a raw sample (a
-    dict of bytes by extension) into what ``ds[i]`` returns: ``decode=``, ``keys=``,
-    ``transform=``."""
+    dict of bytes by extension) into what ``ds[i]`` returns: wids's ``transformations=``,
+    or this package's ``decode=``/``keys=``; then ``transform=`` and :meth:`add_transform`.
 
-    decode: Any
+    Either way the sample dict has wids's keys: ``.jpg``, ``.cls``, ... and ``__key__``,
+    ``__shard__``, ``__index__``, ``__shardindex__``, ``__dataset__``.
+    """
+
+    decode: Any  # None: wids's transformations decode
     keys: tuple[str, ...] | None
     transform: Any
+    transformations: list[Callable[[Any], Any]]
+
+    def _init_decoding(self, decode: Any, keys: Any, transform: Any, transformations: Any) -> None:
+        from dask_ddp.data._wids import interpret_transformations
+
+        ours = decode is not None or keys is not None
+        if ours and transformations is not None:
+            raise TypeError(
+                "transformations= (wids's decoding) and decode=/keys= are two ways to decode "
+                "a sample; pass one of them (see docs/data.md, 'Two ways to decode')"
+            )
+        if decode is not None and not (isinstance(decode, (bool, Mapping)) or callable(decode)):
+            raise TypeError(
+                f"decode= takes True, False, a mapping {{ext: fn(bytes)}} or a function of "
+                f"the raw sample dict, got {decode!r}"
+            )
+        if isinstance(keys, str):
+            raise TypeError(f"keys= takes a sequence of field names, e.g. ({keys!r},)")
+        if keys is not None and not keys:
+            raise ValueError("keys= is empty; leave it None to get each sample as a dict")
+        if (
+            transform is not None
+            and not callable(transform)
+            and (keys is None or isinstance(transform, str) or len(transform) != len(keys))
+        ):
+            raise TypeError(
+                "transform= takes a function, or (with keys=) one function or None per "
+                f"key; got {transform!r} for keys={keys!r}"
+            )
+        self.decode = (True if decode is None else decode) if ours else None
+        self.keys = tuple(keys) if keys is not None else None
+        self.transform = transform
+        # wids's order: its transformations (decoders first), then transform=, then each
+        # add_transform(); with decode=/keys=: decode, pick keys, transform=, add_transform()
+        self.transformations = [] if ours else interpret_transformations(transformations)
+        if not ours and transform is not None:
+            self.transformations.append(transform)
+
+    def add_transform(self, transform: Callable[[Any], Any]) -> Any:
+        """Apply ``transform`` to every sample after what is already applied, as wids's
+        ``add_transform``; returns the dataset.
+
+        Examples
+        --------
+        >>> ds = ShardListDataset("shards.json").add_transform(
+        ...     lambda s: (s[".jpg"], s[".cls"]))  # doctest: +SKIP
+        """
+        if not callable(transform):
+            raise TypeError(f"add_transform() takes a function of the sample, got {transform!r}")
+        self.transformations.append(transform)
+        return self
 
     def _decode(self, raw: dict[str, Any]) -> Any:
+        from dask_ddp.data._wids import Sample, wids_fields
+
         decode = self.decode
+        if decode is None:  # wids: the decoders among the transformations run in _finish
+            return wids_fields(raw)
+        fields = Sample((k if k.startswith("__") else "." + k, v) for k, v in raw.items())
         if decode is False:
-            return dict(raw)
+            return fields
         if callable(decode) and not isinstance(decode, (bool, Mapping)):
             try:
-                return decode(raw)
+                return decode(fields)
             except Exception as err:
                 raise CorruptDataError(
                     f"{raw['__shard__']}#{raw['__key__']}", f"{type(err).__name__}: {err}"
@@ -88,19 +152,17 @@ class _SampleDecoding:
         table: Mapping[str, Callable[[bytes], Any] | None] = DEFAULT_DECODERS
         if isinstance(decode, Mapping):
             table = {**DEFAULT_DECODERS, **{k.lower().lstrip("."): v for k, v in decode.items()}}
-        out = {}
         for ext, value in raw.items():
             fn = table.get(ext.rsplit(".", 1)[-1]) if not ext.startswith("__") else None
             if fn is None:
-                out[ext] = value
                 continue
             try:
-                out[ext] = fn(value)
+                fields["." + ext] = fn(value)
             except Exception as err:
                 raise CorruptDataError(
                     f"{raw['__shard__']}#{raw['__key__']}.{ext}", f"{type(err).__name__}: {err}"
                 ) from err
-        return out
+        return fields
 
     def _finish(self, sample: Any, raw: Mapping[str, Any]) -> Any:
         if self.keys is not None:
@@ -111,18 +173,21 @@ class _SampleDecoding:
                 )
             sample = tuple(self._field(sample, k, raw) for k in self.keys)
             if self.transform is not None and not callable(self.transform):
-                return tuple(
+                sample = tuple(
                     v if t is None else t(v) for v, t in zip(sample, self.transform, strict=True)
                 )
-        if self.transform is not None:
-            return self.transform(sample)  # type: ignore[operator]
+        if callable(self.transform) and self.decode is not None:
+            sample = self.transform(sample)
+        for transform in self.transformations:
+            sample = transform(sample)
         return sample
 
     @staticmethod
     def _field(sample: Mapping[str, Any], wanted: str, raw: Mapping[str, Any]) -> Any:
         for name in wanted.split(";"):
-            if name in sample:
-                return sample[name]
+            key = "." + name.lstrip(".")
+            if key in sample:
+                return sample[key]
         available = tuple(k for k in sample if not k.startswith("__"))
         raise MissingFieldError(raw["__shard__"], raw["__key__"], wanted, available)
 

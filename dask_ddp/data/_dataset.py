@@ -14,7 +14,7 @@ from dask.utils import parse_bytes
 from torch.utils.data import Dataset
 
 from dask_ddp.data import _shard_files
-from dask_ddp.data._codecs import _SampleDecoding
+from dask_ddp.data._codecs import Decode, _SampleDecoding
 from dask_ddp.data._errors import (
     CorruptDataError,
     DataNotFoundError,
@@ -30,6 +30,7 @@ from dask_ddp.data._fsclient import (
 from dask_ddp.data._shard_files import _ShardFiles
 from dask_ddp.data._shard_order import _ShardOrder
 from dask_ddp.data._tar import _Index, _Shard
+from dask_ddp.data._wids import Transformations
 
 logger = logging.getLogger("dask_ddp.data.shards")
 
@@ -48,6 +49,11 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
     headers) is built once per host, when the shard is downloaded or first opened, and kept
     in ``cache_dir`` too, so DataLoader workers load it instead of parsing the tar again.
 
+    Each sample is a dict as wids gives it: the fields by extension (``".jpg"``,
+    ``".cls"``) and ``__key__``, ``__shard__``, ``__index__``, ``__shardindex__``,
+    ``__dataset__``; decoded by wids's ``transformations`` (PIL images by default), or by
+    ``decode=`` with ``keys=`` choosing a tuple of fields (see docs/data.md).
+
     Read the samples in shard order, or close to it: with :class:`DistributedChunkedSampler`
     each process has one or two shards open at a time. A sampler that jumps between shards
     at random (``DistributedSampler``) makes a process open, and on a cold host download, a
@@ -65,18 +71,42 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
         folder (or its ``"base"``); or that dict itself; or its list of dicts. Each entry
         needs ``url`` and ``nsamples``; ``filesize`` (bytes) is checked after a download
         when present. Every shard must be on one filesystem.
-    decode : bool, mapping or callable, default True
-        ``True``: decode each field by its extension with :data:`DEFAULT_DECODERS`
-        (images to RGB ``PIL.Image``, ``cls`` to int, ``json``, ``txt``, ``pth``, ``npy``;
-        other fields stay bytes). ``False``: every field stays bytes. A mapping
-        ``{ext: fn(bytes) -> value}`` adds to or replaces the defaults (``None`` keeps
-        that extension as bytes). A callable gets the whole raw sample (a dict of
-        ``ext: bytes`` plus ``__key__``, ``__shard__`` and ``__index__``) and returns the
-        decoded sample. Functions must pickle (module-level) for spawn-started workers.
+    cache_size : int or str, optional
+        Keep the cache near this size (``"200GB"``, or bytes) by deleting the least
+        recently used shards; it must hold at least the shards open at once in every
+        process on the host. Default: no limit. (wids 0.1.11 ignores its ``cache_size``.)
+    cache_dir : str or os.PathLike, optional
+        Where remote shards are kept, shared by every process on the host; use a local
+        disk (not NFS). Default: ``<tempdir>/dask-ddp-shards-<uid>``, resolved in each
+        process. For local shards, only their indexes go there.
+    lru_size : int, optional
+        wids's name for ``open_shards``.
+    dataset_name, localname, keep
+        Accepted for wids's code and unused: the cache names its files itself, and keeps
+        shards until ``cache_size`` needs the room.
+    transformations : "PIL", "numpy", callable or list of those, optional
+        wids's decoding, used unless ``decode=`` or ``keys=`` is given: each function gets
+        the sample dict (fields as ``io.BytesIO`` under ``.jpg``, ``.cls``, ...) and
+        returns the next; ``"PIL"`` (the default) and ``"numpy"`` decode by extension as
+        wids does (see ``dask_ddp.data._wids``); ``[]`` leaves the fields undecoded.
+    base : str, optional
+        The folder relative shard URLs are resolved against; default: the shard list's
+        ``"base"``, else the JSON file's folder.
+    options : mapping, optional
+        Entries that update the shard list's JSON description, as wids's ``options``.
+    decode : bool, mapping or callable, optional
+        This package's decoding (default True when ``keys=`` is given). ``True``: each
+        field by its extension with :data:`DEFAULT_DECODERS` (images to RGB
+        ``PIL.Image``, ``cls`` to int, ``json``, ``txt``, ``pth``, ``npy``; other fields
+        stay bytes). ``False``: every field stays bytes. A mapping ``{ext: fn(bytes)}``
+        adds to or replaces the defaults (``None`` keeps bytes). A callable gets the raw
+        sample dict and returns the decoded sample. Functions must pickle (module-level)
+        for spawn-started workers.
     keys : sequence of str, optional
         Return a tuple of these fields instead of the dict, e.g. ``("jpg;png", "cls")``
-        (``;`` separates alternatives: the first one present is taken). A sample
-        without any of the alternatives raises :class:`MissingFieldError`.
+        (``;`` separates alternatives: the first one present is taken; a leading dot is
+        optional). A sample without any of the alternatives raises
+        :class:`MissingFieldError`.
     transform : callable or sequence of callables, optional
         Applied to the decoded sample (the dict, or the tuple when ``keys`` is given). With
         ``keys``, a sequence gives one callable (or None) per key, like torchvision's
@@ -89,14 +119,6 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
         Passed to the fsspec filesystem (``s3fs.S3FileSystem``: ``key``, ``secret``,
         ``client_kwargs``, ...); they win over the options this class sets. Pickled with
         the dataset, credentials included.
-    cache_dir : str or os.PathLike, optional
-        Where remote shards are kept, shared by every process on the host; use a local
-        disk (not NFS). Default: ``<tempdir>/dask-ddp-shards-<uid>``, resolved in each
-        process. For local shards, only their indexes go there.
-    cache_size : int or str, optional
-        Keep the cache near this size (``"200GB"``, or bytes) by deleting the least
-        recently used shards; it must hold at least the shards open at once in every
-        process on the host. Default: no limit.
     open_shards : int, default 16
         How many shards each process keeps open (an LRU of file handles and indexes).
     prefetch : int, default 1
@@ -140,6 +162,14 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
 
     Examples
     --------
+    wids's way (only the import differs from code written for ``wids``):
+
+    >>> import dask_ddp.data as wids
+    >>> trainset = wids.ShardListDataset("s3://my-bucket/train/shards.json",
+    ...                                  cache_dir="./_cache", keep=True)  # doctest: +SKIP
+    >>> trainset = trainset.add_transform(
+    ...     lambda sample: (sample[".jpg"], sample[".cls"]))  # doctest: +SKIP
+
     Images and labels written by :func:`write_shards` from an ``ImageFolder``:
 
     >>> from torch.utils.data import DataLoader
@@ -164,46 +194,38 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
         self,
         shards: str | os.PathLike[str] | Mapping[str, Any] | Sequence[Mapping[str, Any]],
         *,
-        decode: bool | Mapping[str, Callable[[bytes], Any] | None] | Callable[..., Any] = True,
+        cache_size: int | str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        lru_size: int | None = None,
+        dataset_name: str | None = None,
+        localname: Callable[[str], str] | None = None,
+        transformations: Transformations | None = None,
+        keep: bool = False,
+        base: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        decode: Decode | None = None,
         keys: Sequence[str] | None = None,
         transform: Callable[[Any], Any] | Sequence[Callable[[Any], Any] | None] | None = None,
         endpoint_url: str | None = None,
         anon: bool | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_size: int | str | None = None,
         open_shards: int = 16,
         prefetch: int = 1,
         retries: int = 8,
         on_corrupt: OnCorrupt = "raise",
         freeze_gc: bool = True,
     ) -> None:
-        if not (isinstance(decode, (bool, Mapping)) or callable(decode)):
-            raise TypeError(
-                f"decode= takes True, False, a mapping {{ext: fn(bytes)}} or a function of "
-                f"the raw sample dict, got {decode!r}"
-            )
-        if isinstance(keys, str):
-            raise TypeError(f"keys= takes a sequence of field names, e.g. ({keys!r},)")
-        if keys is not None and not keys:
-            raise ValueError("keys= is empty; leave it None to get each sample as a dict")
-        if (
-            transform is not None
-            and not callable(transform)
-            and (keys is None or isinstance(transform, str) or len(transform) != len(keys))
-        ):
-            raise TypeError(
-                "transform= takes a function, or (with keys=) one function or None per "
-                f"key; got {transform!r} for keys={keys!r}"
-            )
+        self._init_decoding(decode, keys, transform, transformations)
+        if lru_size is not None:  # wids's name for the shards kept open
+            check_int("lru_size", lru_size, 1)
+            open_shards = lru_size
+        self.dataset_name = dataset_name
+        del keep, localname  # wids's; the cache names and keeps its files itself
         check_int("open_shards", open_shards, 1)
         check_int("prefetch", prefetch, 0)
         check_int("retries", retries, 0)
         check_on_corrupt(on_corrupt)
-        self.decode = decode
         self.prefetch = prefetch
-        self.keys = tuple(keys) if keys is not None else None
-        self.transform = transform
         self.open_shards = open_shards
         self.retries = retries
         self.on_corrupt: OnCorrupt = on_corrupt
@@ -216,7 +238,7 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
         start = time.perf_counter()
         self._reset_process_state()
         self._pid = os.getpid()
-        self.source, entries = self._load(shards)
+        self.source, entries = self._load(shards, base, options)
         protocols = {_protocol_of(e["url"]) for e in entries}
         if len(protocols) > 1:
             raise ShardListError(
@@ -239,8 +261,6 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
             self.source,
             time.perf_counter() - start,
         )
-
-    # -- per-process state --------------------------------------------------------------
 
     # -- reading ------------------------------------------------------------------------
 
@@ -271,17 +291,30 @@ class ShardListDataset(_ShardFiles, _ShardOrder, _SampleDecoding, Dataset):
         while True:
             raw = self._raw(i)
             try:
-                sample = self._decode(raw)
+                return self._finish(self._decode(raw), raw)
             except CorruptDataError as err:
                 if self.on_corrupt == "raise":
                     raise
                 self._bad.mark(i, err, self._stats)
                 self._stats["skipped"] += 1
                 i = self._bad.next_readable(i, self._len, self.source)
-                continue
-            return self._finish(sample, raw)
 
-    # -- decoding -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the shards open in this process and stop its prefetching, as wids's
+        ``close()``; downloaded shards stay in the cache, and a later read opens its shard
+        again.
+
+        Examples
+        --------
+        >>> ds.close()  # doctest: +SKIP
+        """
+        prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.close()
+        with self._lock:
+            for shard in self._open.values():
+                shard.file.close()
+            self._open.clear()
 
     def __repr__(self) -> str:
         shards = len(self._shards)

@@ -31,6 +31,7 @@ __all__ = [
     "ShardCountError",
     "ShardListError",
     "ShardNotFoundError",
+    "StorageAccessError",
     "UnsupportedCollectionError",
 ]
 
@@ -214,6 +215,58 @@ class SampleFetchError(DaskDDPError, OSError):
         )
 
 
+StorageProblem = Literal["unreachable", "credentials"]
+
+
+class StorageAccessError(DaskDDPError, OSError):
+    """The store cannot be used at all: its endpoint refuses or cannot be reached, or no
+    credentials were found to sign requests to it. Raised at the first request, after a
+    few quick attempts for a refused connection (other transient errors keep their
+    ``retries=``).
+
+    Parameters
+    ----------
+    url : str
+        The URL that was being read.
+    endpoint : str
+        The store's endpoint (``endpoint_url=``), or ``""`` for AWS's default.
+    problem : {"unreachable", "credentials"}
+        What stops every request.
+    cause : str
+        The client's error, as ``"ExceptionType: message"``.
+
+    Examples
+    --------
+    >>> print(StorageAccessError("s3://b/shards.json", "http://10.0.0.5:9000", "unreachable",
+    ...                          "EndpointConnectionError: connection refused"))
+    ... # doctest: +ELLIPSIS
+    cannot reach the store at http://10.0.0.5:9000 to read s3://b/shards.json: ...
+    """
+
+    def __init__(self, url: str, endpoint: str, problem: StorageProblem, cause: str) -> None:
+        super().__init__(url, endpoint, problem, cause)
+        self.url, self.endpoint, self.problem, self.cause = url, endpoint, problem, cause
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, StorageProblem, str]]:
+        return type(self), (self.url, self.endpoint, self.problem, self.cause)
+
+    def __str__(self) -> str:
+        where = self.endpoint or "AWS's default S3 endpoint"
+        if self.problem == "unreachable":
+            return (
+                f"cannot reach the store at {where} to read {self.url}: {self.cause}. Check "
+                "endpoint_url= (scheme, host and port), that the store is running, and that "
+                "this machine (every Dask worker, too) can connect to it"
+            )
+        return (
+            f"no credentials were found to read {self.url} from {where} ({self.cause}). "
+            "For a public bucket pass anon=True; otherwise set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials) where the dataset "
+            "is read (the client and every Dask worker), or pass storage_options="
+            "{'key': ..., 'secret': ...}"
+        )
+
+
 class ShardListError(DaskDDPError, ValueError):
     """A shard list (JSON file or Python list) is malformed.
 
@@ -245,13 +298,13 @@ class ShardListError(DaskDDPError, ValueError):
 
 
 class MissingFieldError(DaskDDPError, KeyError):
-    """A sample lacks a field (extension) that ``keys=`` asks for.
+    """A sample lacks a field (extension) that ``keys=`` or a lookup in its dict asks for.
 
     Examples
     --------
-    >>> err = MissingFieldError("/d/shard-000000.tar", "000017", "cls", ("jpg", "json"))
+    >>> err = MissingFieldError("/d/shard-000000.tar", "000017", ".cls", (".jpg", ".json"))
     >>> print(err)  # doctest: +ELLIPSIS
-    sample '000017' in /d/shard-000000.tar has no 'cls' field (it has: jpg, json). ...
+    sample '000017' in /d/shard-000000.tar has no '.cls' field (it has: .jpg, .json). ...
     """
 
     def __init__(self, url: str, key: str, wanted: str, available: tuple[str, ...]) -> None:
@@ -261,8 +314,8 @@ class MissingFieldError(DaskDDPError, KeyError):
     def __str__(self) -> str:
         return (
             f"sample {self.key!r} in {self.url} has no {self.wanted!r} field (it has: "
-            f"{', '.join(self.available)}). Name alternatives with ';' in keys= (e.g. "
-            "'jpg;png'), or leave keys=None to get every field in a dict"
+            f"{', '.join(self.available)}). Fields are named by extension, with wids's dot "
+            "in the sample dict ('.jpg'); name alternatives with ';' in keys= ('jpg;png')"
         )
 
 

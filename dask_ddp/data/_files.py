@@ -38,7 +38,9 @@ from dask_ddp.data._fsclient import (
     _nearby,
     _new_filesystem,
     _protocol_of,
+    _storage_failure,
     _storage_options,
+    storage_errors,
 )
 from dask_ddp.data._workers import freeze_inherited_objects
 from dask_ddp.data.cache import LocalCache
@@ -397,7 +399,8 @@ class _FileStore:
         fs = self.filesystem()
         url = self.url(root)
         try:
-            found = fs.find(root, detail=True)
+            with storage_errors(url, self.endpoint):
+                found = fs.find(root, detail=True)
         except FileNotFoundError as err:
             raise DataNotFoundError(url, _missing_reason(self.protocol, root, err)) from err
         if not found:
@@ -458,6 +461,9 @@ class _FileStore:
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception):
                     raise result
+                failure = _storage_failure(result, self.url(path), self.endpoint)
+                if failure is not None:
+                    raise failure from result
                 raise SampleFetchError(
                     self.url(path), f"{type(result).__name__}: {result}"
                 ) from result

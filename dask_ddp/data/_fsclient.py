@@ -10,10 +10,12 @@ concurrently on fsspec's loop (:func:`_cat_concurrently`), and explains a missin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -75,12 +77,77 @@ def _shared_loader_session(kwargs: Mapping[str, Any]) -> Any:
     import botocore.loaders
 
     session = aiobotocore.session.AioSession(**kwargs)
+    session.register("needs-retry.s3", _give_up_on_refused)
     data_path = session.get_config_variable("data_path")
     loader = _BOTOCORE_LOADERS.get(data_path)
     if loader is None:
         loader = _BOTOCORE_LOADERS[data_path] = botocore.loaders.create_loader(data_path)
     session.register_component("data_loader", loader)
     return session
+
+
+_REFUSED_ATTEMPTS = 3
+"""Attempts at a request whose connection is refused, before it fails (a second or two):
+nothing listens at the endpoint, and botocore's backoff would spend about a minute."""
+
+
+def _give_up_on_refused(attempts: int, caught_exception: Any = None, **_: Any) -> None:
+    """botocore ``needs-retry`` handler: stop retrying a refused connection after
+    ``_REFUSED_ATTEMPTS``; every other error keeps botocore's retry decision."""
+    if attempts >= _REFUSED_ATTEMPTS and _refused(caught_exception):
+        raise caught_exception
+
+
+def _refused(err: BaseException | None) -> bool:
+    """Whether ``err`` (botocore's EndpointConnectionError) comes from a refused connection."""
+    from botocore.exceptions import EndpointConnectionError
+
+    if not isinstance(err, EndpointConnectionError):
+        return False
+    cause, seen = err.kwargs.get("error"), set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ConnectionRefusedError) or getattr(cause, "errno", None) == (
+            errno.ECONNREFUSED
+        ):
+            return True
+        cause = getattr(cause, "os_error", None) or cause.__cause__ or cause.__context__
+    return False
+
+
+def _storage_failure(err: BaseException, url: str, endpoint: str) -> Exception | None:
+    """The :class:`StorageAccessError` that ``err`` means, or None for any other error."""
+    try:
+        from botocore.exceptions import (
+            EndpointConnectionError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+    except ImportError:  # no S3 support installed: no botocore errors either
+        return None
+    from dask_ddp.data._errors import StorageAccessError
+
+    cause = f"{type(err).__name__}: {err}"
+    if isinstance(err, EndpointConnectionError):
+        if _refused(err):
+            cause = f"connection refused ({_REFUSED_ATTEMPTS} attempts)"
+        return StorageAccessError(url, endpoint, "unreachable", cause)
+    if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
+        return StorageAccessError(url, endpoint, "credentials", cause)
+    return None
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, endpoint: str) -> Iterator[None]:
+    """Raise :class:`StorageAccessError` for a store that cannot be used at all (no
+    connection, no credentials) instead of the client's bare error."""
+    try:
+        yield
+    except Exception as err:
+        failure = _storage_failure(err, url, endpoint)
+        if failure is None:
+            raise
+        raise failure from err
 
 
 async def _cat_concurrently(

@@ -36,7 +36,9 @@ class DistributedChunkedSampler(Sampler[int]):
 
     Like :class:`torch.utils.data.DistributedSampler`, every rank gets the same number of
     indices: ``ceil(len / num_replicas)``, a few repeated (padding), or with
-    ``drop_last=True`` ``floor(len / num_replicas)``, a few left out that epoch.
+    ``drop_last=True`` ``floor(len / num_replicas)``, a few left out that epoch. Call
+    :meth:`set_epoch` before each epoch; as with wids's sampler, an epoch read to its end
+    moves the sampler to the next one, so a loop that never calls it still reshuffles.
 
     Parameters
     ----------
@@ -45,15 +47,24 @@ class DistributedChunkedSampler(Sampler[int]):
     num_replicas : int, optional
         The number of ranks. Default: the ``torch.distributed`` world size when a process
         group is initialised, else the dask_ddp context's, else 1.
+    num_samples : int, optional
+        Use only the dataset's first ``num_samples`` indices (wids's argument; the
+        attribute ``num_samples`` is the count per rank, as in ``DistributedSampler``).
     rank : int, optional
         This rank, ``0 <= rank < num_replicas``. Default: as ``num_replicas``, else 0.
     shuffle : bool, default True
         Shuffle the chunk order and the order within chunks each epoch. False: indices in
         order.
+    shufflefirst : bool, optional
+        ``False``: the first epoch (0) visits the chunks in order, shuffling only within
+        them, as wids does by default. Default (None or True): chunks shuffled from the
+        first epoch.
     seed : int, default 0
         The same on every rank.
     drop_last : bool, default False
-        Leave out the indices that do not divide evenly instead of repeating some.
+        Leave out the indices that do not divide evenly instead of repeating some (None,
+        wids's default, is False). Unlike wids, every rank gets the same number of
+        indices, so that DDP's ranks run the same number of steps.
     chunksize : int, optional
         The most indices in one chunk. Default: one chunk per shard if the dataset has
         ``shard_offsets`` (a :class:`ShardListDataset`), else 1000. Given with a
@@ -90,10 +101,12 @@ class DistributedChunkedSampler(Sampler[int]):
         dataset: Sized,
         *,
         num_replicas: int | None = None,
+        num_samples: int | None = None,
         rank: int | None = None,
         shuffle: bool = True,
+        shufflefirst: bool | None = None,
         seed: int = 0,
-        drop_last: bool = False,
+        drop_last: bool | None = False,
         chunksize: int | None = None,
         partition: Partition = "fixed",
     ) -> None:
@@ -113,10 +126,16 @@ class DistributedChunkedSampler(Sampler[int]):
         if partition not in ("fixed", "shuffled"):
             raise ValueError(f"partition= must be 'fixed' or 'shuffled', got {partition!r}")
         n = len(dataset)
+        if num_samples is not None:
+            if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+                raise ValueError(f"num_samples= must be an int >= 1, got {num_samples!r}")
+            n = min(n, num_samples)
+        drop_last = bool(drop_last)  # wids's None: not dropping
         if n < 1:
             raise ValueError("the dataset is empty; a sampler needs at least one index")
         self.num_replicas, self.rank = num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
+        self.shufflefirst = shufflefirst
         self.partition: Partition = partition
         self.epoch = 0
         self._n = n
@@ -160,7 +179,16 @@ class DistributedChunkedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = self._order().tolist()
         self._start_prefetch()
-        return iter(order)
+        return self._then_next_epoch(order)
+
+    def _then_next_epoch(self, order: list[int]) -> Iterator[int]:
+        """Yield ``order``; once all of it is read, move to the next epoch, as wids's
+        sampler does (``set_epoch`` still decides: it is called before the next epoch).
+        An iterator dropped unread (the DataLoader makes one it never reads) moves nothing.
+        """
+        yield from order
+        self.epoch += 1
+        self._share_order()
 
     def _order(self) -> np.ndarray:
         """This epoch's indices for this rank (computed once per epoch)."""
@@ -183,7 +211,7 @@ class DistributedChunkedSampler(Sampler[int]):
         return lo + self._rng(lo).permutation(hi - lo)
 
     def _chunk_order(self, count: int, salt: int) -> np.ndarray:
-        if not self.shuffle:
+        if not self.shuffle or (self.epoch == 0 and self.shufflefirst is False):
             return np.arange(count)
         return self._rng(salt).permutation(count)
 

@@ -28,14 +28,17 @@ from dask_ddp.data._errors import (
     DataNotFoundError,
     SampleFetchError,
     ShardListError,
+    StorageAccessError,
 )
 from dask_ddp.data._fsclient import (
+    _endpoint_of,
     _new_filesystem,
     _protocol_of,
     _storage_options,
+    storage_errors,
 )
 from dask_ddp.data._prefetch import Prefetcher
-from dask_ddp.data._specs import _check_entries, _parse_description
+from dask_ddp.data._specs import _parse_description
 from dask_ddp.data._tar import _Index, _index_tar, _Open, _pread
 from dask_ddp.data._workers import freeze_inherited_objects
 from dask_ddp.data.cache import LocalCache
@@ -89,7 +92,14 @@ class _ShardFiles:
             self.retries,
         )
 
-    def _load(self, shards: Any) -> tuple[str, list[dict[str, Any]]]:
+    def _load(
+        self, shards: Any, base: str | None, options: Mapping[str, Any] | None
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """The shard list's source and entries, as wids reads them: ``options`` update the
+        description, and ``base`` (else the description's, else the JSON's folder) resolves
+        relative URLs."""
+        if base is not None:
+            base = str(base).rstrip("/")
         if isinstance(shards, (str, os.PathLike)):
             url = os.fspath(shards)
             protocol = _protocol_of(url)
@@ -97,10 +107,12 @@ class _ShardFiles:
                 url = os.path.abspath(fsspec.core.strip_protocol(url))
             # The JSON may be on another filesystem than the shards (local list, S3 shards);
             # when it is on theirs, this client reads the shards too (see __init__).
-            fs = _new_filesystem(protocol, self._options_for(protocol), self.retries)
+            fs_options = self._options_for(protocol)
+            fs = _new_filesystem(protocol, fs_options, self.retries)
             self._fs, self._fs_protocol = fs, protocol
             try:
-                raw = fs.cat_file(fsspec.core.strip_protocol(url))
+                with storage_errors(url, _endpoint_of(fs_options)):
+                    raw = fs.cat_file(fsspec.core.strip_protocol(url))
             except FileNotFoundError as err:
                 raise DataNotFoundError(url, f"the shard list does not exist ({err})") from err
             try:
@@ -109,11 +121,13 @@ class _ShardFiles:
                 raise ShardListError(url, f"it is not JSON ({err})") from err
             if isinstance(desc, list):  # a bare list of entries
                 desc = {"shardlist": desc}
+            desc = {**desc, **(options or {}), **({"base": base} if base else {})}
             return url, _parse_description(desc, url, url.rsplit("/", 1)[0])
         source = "the shard list passed in"
-        if isinstance(shards, Mapping):
-            return source, _parse_description(shards, source, None)
-        return source, _check_entries(shards, source)
+        if not isinstance(shards, Mapping):
+            shards = {"shardlist": shards}
+        desc = {**shards, **(options or {}), **({"base": base} if base else {})}
+        return source, _parse_description(desc, source, None)
 
     def _filesystem(self) -> fsspec.AbstractFileSystem:
         """This process's client for the shards, created on first use in each process."""
@@ -189,7 +203,8 @@ class _ShardFiles:
             raw: dict[str, Any] = {
                 e: _pread(shard.file, size, off) for e, off, size in index.fields(j)
             }
-        raw.update(__key__=key, __shard__=self._shards[s].url, __index__=i)
+        url = self._shards[s].url  # wids's metadata; sub-datasets are not read here
+        raw.update(__key__=key, __dataset__=None, __index__=i, __shard__=url, __shardindex__=j)
         return raw
 
     def _shard(self, s: int) -> _Open:
@@ -238,9 +253,12 @@ class _ShardFiles:
         fs = self._filesystem()
         start = time.perf_counter()
         try:
-            fs.get_file(fsspec.core.strip_protocol(shard.url), str(part))
+            with storage_errors(shard.url, self._endpoint):
+                fs.get_file(fsspec.core.strip_protocol(shard.url), str(part))
         except FileNotFoundError as err:
             raise DataNotFoundError(shard.url, _cause(err), self.source) from err
+        except StorageAccessError:
+            raise
         except OSError as err:
             raise SampleFetchError(shard.url, _cause(err)) from err
         size = part.stat().st_size

@@ -2,8 +2,9 @@
 
 A shard is a plain (uncompressed) tar file. Its members are grouped into samples by key,
 the member name up to the first dot of its base name: ``000017.jpg`` and ``000017.cls``
-are the ``jpg`` and ``cls`` fields of sample ``000017``. A shard list names the shards and
-how many samples each holds, in the JSON shape of webdataset's ``wids``::
+are the ``.jpg`` and ``.cls`` fields of sample ``000017`` (wids's sample dict). A shard
+list names the shards and how many samples each holds, in the JSON shape of webdataset's
+``wids``::
 
     {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": "train",
      "shardlist": [{"url": "shard-000000.tar", "nsamples": 1000, "filesize": 3225600},

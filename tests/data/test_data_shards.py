@@ -103,7 +103,7 @@ def test_imagefolder_round_trip_local(image_tree, shard_dir, image_count):
     raw = ShardListDataset(shard_dir / "shards.json", decode=False)
     for i, (path, _) in enumerate(reference.samples):
         ext = path.rsplit(".", 1)[1].lower()
-        assert raw[i][ext] == Path(path).read_bytes()
+        assert raw[i]["." + ext] == Path(path).read_bytes()
         assert raw[i]["__key__"] == f"{i:09d}"
     assert ds.locate(7) == (str(shard_dir / "shard-000001.tar"), "000000007")
 
@@ -115,16 +115,19 @@ def test_s3_round_trip_and_cache(s3_endpoint, s3_client, bucket, image_tree, tmp
     )
     assert [s["url"] for s in shards] == [f"{url}/shard-00000{i}.tar" for i in range(3)]
     local = ShardListDataset(
-        write_shards(datasets.ImageFolder(str(image_tree)), tmp_path / "local", maxcount=4)
+        write_shards(datasets.ImageFolder(str(image_tree)), tmp_path / "local", maxcount=4),
+        decode=True,  # every image extension (wids's decoding leaves .jpeg, .bmp as bytes)
     )
     cache_dir = tmp_path / "cache"
-    ds = ShardListDataset(f"{url}/shards.json", endpoint_url=s3_endpoint, cache_dir=cache_dir)
+    ds = ShardListDataset(
+        f"{url}/shards.json", endpoint_url=s3_endpoint, cache_dir=cache_dir, decode=True
+    )
     assert ds.cache_dir == str(cache_dir)
     for i in range(len(ds)):
         a, b = ds[i], local[i]
         assert a["__key__"] == b["__key__"]
-        assert a["cls"] == b["cls"]
-        image = next(k for k in a if not k.startswith("__") and k != "cls")
+        assert a[".cls"] == b[".cls"]
+        image = next(k for k in a if not k.startswith("__") and k != ".cls")
         assert pixels(a[image]) == pixels(b[image])
     stats = ds.get_stats()
     assert (stats["requested"], stats["downloads"], stats["cache_hits"]) == (12, 3, 0)
@@ -136,7 +139,7 @@ def test_s3_round_trip_and_cache(s3_endpoint, s3_client, bucket, image_tree, tmp
     for s in shards:
         s3_client.delete_object(Bucket=bucket, Key=s["url"].removeprefix(f"s3://{bucket}/"))
     again = ShardListDataset(f"{url}/shards.json", endpoint_url=s3_endpoint, cache_dir=cache_dir)
-    assert [again[i]["cls"] for i in range(12)] == [local[i]["cls"] for i in range(12)]
+    assert [again[i][".cls"] for i in range(12)] == [local[i][".cls"] for i in range(12)]
     assert again.get_stats()["cache_hits"] == 3
     assert again.get_stats()["downloads"] == 0
     fresh = ShardListDataset(
@@ -158,8 +161,8 @@ def test_s3imagefolder_is_copied_byte_for_byte(s3_endpoint, s3_images, tmp_path)
         seen.add(index)
         url, target = source.samples[index]
         ext = url.rsplit(".", 1)[1].lower()
-        assert sample[ext] == (local / url.split(prefix + "/", 1)[1]).read_bytes()
-        assert int(sample["cls"]) == target
+        assert sample["." + ext] == (local / url.split(prefix + "/", 1)[1]).read_bytes()
+        assert int(sample[".cls"]) == target
     assert seen == set(range(len(source)))
     assert [int(ds[i]["__key__"]) for i in range(len(ds))] != list(range(len(ds)))  # shuffled
 
@@ -189,19 +192,19 @@ def test_fields_of_every_kind(tmp_path):
     ds = ShardListDataset(tmp_path / "shards.json")
     first, second = ds[0], ds[1]
     assert (first["__key__"], second["__key__"]) == ("first", "000000001")
-    assert pixels(first["png"]) == pixels(image)  # PNG is lossless
-    assert np.abs(np.asarray(second["jpg"], float) - np.asarray(smooth, float)).max() < 4
-    assert (first["cls"], first["json"], first["txt"]) == (3, {"a": [1, 2]}, "héllo")
-    assert (second["cls"], second["json"], second["txt"]) == (4, [], "")
-    np.testing.assert_array_equal(first["npy"], array)
-    assert torch.equal(first["pth"]["w"], tensor)
-    assert torch.equal(second["pth"], tensor)
-    assert (first["raw.bin"], second["raw.bin"]) == (b"\x00\x01", b"")
+    assert pixels(first[".png"]) == pixels(image)  # PNG is lossless
+    assert np.abs(np.asarray(second[".jpg"], float) - np.asarray(smooth, float)).max() < 4
+    assert (first[".cls"], first[".json"], first[".txt"]) == (3, {"a": [1, 2]}, "héllo")
+    assert (second[".cls"], second[".json"], second[".txt"]) == (4, [], "")
+    np.testing.assert_array_equal(first[".npy"], array)
+    assert torch.equal(first[".pth"]["w"], tensor)
+    assert torch.equal(second[".pth"], tensor)
+    assert (first[".raw.bin"].getvalue(), second[".raw.bin"].getvalue()) == (b"\x00\x01", b"")
 
     custom = ShardListDataset(tmp_path / "shards.json", decode={"txt": _double, "png": None})
-    assert custom[0]["txt"] == "héllohéllo"
-    assert custom[0]["png"][:4] == b"\x89PNG"  # None keeps the bytes
-    assert isinstance(custom[0]["npy"], np.ndarray)  # the other defaults still apply
+    assert custom[0][".txt"] == "héllohéllo"
+    assert custom[0][".png"][:4] == b"\x89PNG"  # None keeps the bytes
+    assert isinstance(custom[0][".npy"], np.ndarray)  # the other defaults still apply
     assert ShardListDataset(tmp_path / "shards.json", decode=_keys_only)[1] == "000000001"
 
     picked = ShardListDataset(
@@ -212,7 +215,7 @@ def test_fields_of_every_kind(tmp_path):
     img, target = picked[1]
     assert (img.shape, target) == ((3, 5, 7), 4)
     missing = ShardListDataset(tmp_path / "shards.json", keys=("png", "cls"))
-    with pytest.raises(MissingFieldError, match=r"sample '000000001' in .* has no 'png' field"):
+    with pytest.raises(MissingFieldError, match=r"sample .000000001. in .* has no .png. field"):
         missing[1]
 
 
@@ -228,7 +231,7 @@ def test_tuples_and_iterables(tmp_path):
         (i, i, f"text {i}") for i in range(7)
     ]
     named = write_shards([(b"abc", 1)], tmp_path / "b", fields=("bin", "cls"))
-    assert ShardListDataset(named)[0]["bin"] == b"abc"
+    assert ShardListDataset(named, decode=True)[0][".bin"] == b"abc"
     with pytest.raises(TypeError, match="pass fields= with an extension"):
         write_shards([(b"abc", 1)], tmp_path / "c")
     with pytest.raises(ValueError, match="has two 'cls' field"):
@@ -360,11 +363,12 @@ def test_tar_written_by_others(tmp_path, fmt):
     (tmp_path / "s.tar").write_bytes(_tar(names, format=fmt))
     count = 1 if fmt == tarfile.USTAR_FORMAT else 3  # a/x0 (README has no extension), ...
     ds = ShardListDataset([{"url": str(tmp_path / "s.tar"), "nsamples": count}], decode=False)
-    assert ds[0] == {"txt": b"zero", "cls": b"0", "__key__": "a/x0",
-                     "__shard__": str(tmp_path / "s.tar"), "__index__": 0}  # fmt: skip
+    assert ds[0] == {".txt": b"zero", ".cls": b"0", "__key__": "a/x0", "__dataset__": None,
+                     "__shard__": str(tmp_path / "s.tar"), "__index__": 0,
+                     "__shardindex__": 0}  # fmt: skip
     if count == 3:
-        assert (ds[1]["__key__"], ds[1]["txt"], ds[1]["seg.png"]) == (long, b"one", b"png")
-        assert (ds[2]["__key__"], ds[2]["txt"]) == ("ünï", b"two")
+        assert (ds[1]["__key__"], ds[1][".txt"], ds[1][".seg.png"]) == (long, b"one", b"png")
+        assert (ds[2]["__key__"], ds[2][".txt"]) == ("ünï", b"two")
 
 
 def _members(tar_bytes: bytes) -> list[tuple[str, int, int]]:
@@ -405,7 +409,7 @@ def test_fast_tar_scan_agrees_with_tarfile_or_defers_to_it(tmp_path):
 def test_missing_shard(shard_dir):
     (shard_dir / "shard-000001.tar").unlink()
     ds = ShardListDataset(shard_dir / "shards.json")
-    assert (ds[4]["cls"], ds[10]["cls"]) == (0, 2)  # the other shards still read
+    assert (ds[4][".cls"], ds[10][".cls"]) == (0, 2)  # the other shards still read
     with pytest.raises(ShardNotFoundError, match=r"shard-000001.tar does not exist") as info:
         ds[5]
     assert isinstance(info.value, FileNotFoundError)
@@ -505,7 +509,7 @@ def test_cache_size_evicts_least_recently_used(s3_endpoint, bucket, tmp_path):
     )
     for _epoch in range(2):
         for i in range(6):
-            assert ds[i]["bin"] == bytes([i]) * 4000
+            assert ds[i][".bin"].getvalue() == bytes([i]) * 4000
         assert sum(p.stat().st_size for p in cached_shards(tmp_path)) <= 2 * size
     assert ds.get_stats()["downloads"] == 12  # nothing survived until the next epoch
 
@@ -515,7 +519,7 @@ def test_random_access_warns(tmp_path, caplog):
     ds = ShardListDataset(tmp_path / "shards.json", open_shards=2)
     order = np.random.default_rng(0).permutation(60).tolist() * 5
     with caplog.at_level(logging.WARNING, logger="dask_ddp.data.shards"):
-        assert [ds[i]["cls"] for i in order] == order
+        assert [ds[i][".cls"] for i in order] == order
     assert caplog.text.count("Use sampler=DistributedChunkedSampler(dataset)") == 1
 
 
@@ -561,10 +565,12 @@ def test_workers_download_the_next_shard_ahead(s3_endpoint, bucket, tmp_path, fl
         cache_dir=tmp_path,
     )  # fmt: skip
     sampler = DistributedChunkedSampler(ds, num_replicas=1, rank=0, seed=3)
-    assert ds.shard_order == tuple(dict.fromkeys(i // 10 for i in sampler))  # the shard order
+    order = list(sampler)  # epoch 0, read to its end: the sampler moves on to epoch 1 ...
+    sampler.set_epoch(0)  # ... so back to 0, for the DataLoader
+    assert ds.shard_order == tuple(dict.fromkeys(i // 10 for i in order))  # the shard order
     loader = DataLoader(ds, batch_size=None, sampler=sampler, num_workers=1)
     items = list(loader)
-    assert [int(cls) for (cls,), _ in items] == list(sampler)
+    assert [int(cls) for (cls,), _ in items] == order
     stats = items[-1][1]  # the worker's counters after its last read
     assert stats["frozen"] > 100_000  # the worker hid torch's objects from the collector
     assert gc.get_freeze_count() == 0  # this process never freezes

@@ -36,16 +36,20 @@ def test_a_sharded_dataset_gets_each_epochs_order_and_a_prefetch_start() -> None
     assert isinstance(ds, ShardedDataset)
     sampler = DistributedChunkedSampler(ds, num_replicas=1, rank=0, seed=5)
     assert ds.prefetches == 0  # nothing is downloaded before an epoch starts
+    told = len(ds.orders)
     first = list(sampler)
     assert ds.prefetches == 1
-    assert ds.orders[-1] == list(dict.fromkeys(_shard_of(i) for i in first))
+    assert ds.orders[told - 1] == list(dict.fromkeys(_shard_of(i) for i in first))
     assert sorted(first) == list(range(12))  # every index once
+    # Read to its end, the epoch is over: the dataset hears the next one's order.
+    assert sampler.epoch == 1 and len(ds.orders) == told + 1
     sampler.set_epoch(1)
     assert ds.prefetches == 2
+    told = len(ds.orders)
     second = list(sampler)
-    assert ds.orders[-1] == list(dict.fromkeys(_shard_of(i) for i in second))
+    assert ds.orders[told - 1] == list(dict.fromkeys(_shard_of(i) for i in second))
     # Chunks follow the shards: a shard's indices come together.
-    assert len(ds.orders[-1]) == 3
+    assert len(ds.orders[told - 1]) == 3
 
 
 def test_two_ranks_share_the_shards_and_each_index_once() -> None:
@@ -53,8 +57,10 @@ def test_two_ranks_share_the_shards_and_each_index_once() -> None:
     for rank in (0, 1):
         ds = _Shards()
         sampler = DistributedChunkedSampler(ds, num_replicas=2, rank=rank, seed=1)
-        seen += list(sampler)
-        assert ds.orders[-1] == list(dict.fromkeys(_shard_of(i) for i in list(sampler)))
+        told = ds.orders[-1]
+        mine = list(sampler)
+        seen += mine
+        assert told == list(dict.fromkeys(_shard_of(i) for i in mine))
     assert sorted(seen) == list(range(12))
 
 
