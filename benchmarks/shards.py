@@ -15,7 +15,12 @@ images per second for:
 * ``S3ImageFolder``: ``dask_ddp.data.S3ImageFolder`` through the proxy, one GET per image,
   no cache, over ``--per-file-images`` of the images (it is slower);
 * ``local disk``: ``torchvision.datasets.ImageFolder`` over the same files on local disk,
-  shuffled (``shuffle=True``).
+  shuffled (``shuffle=True``);
+* ``wids cold``: webdataset's own ``wids.ShardListDataset`` (0.1.11) over the same shards,
+  through the same proxy, with an empty cache directory, read with
+  ``wids.DistributedChunkedSampler``. wids fetches ``http(s)://`` URLs with ``curl`` (and
+  ``s3://`` with the AWS CLI), so its shard list names each shard by a presigned HTTP URL
+  of the proxy: the same bytes over the same 20 ms hop as ``shards cold``.
 
 Rounds alternate the readers (A, B, C, D, A, B, ...) after ``--warmup-runs`` rounds; the
 ratios printed are medians of per-round ratios. Only 127.0.0.1 is ever contacted.
@@ -35,7 +40,9 @@ from pathlib import Path
 from _common import command_line
 from s3_ingest import (
     BUCKET,
+    KEY,
     PREFIX,
+    SECRET,
     Case,
     add_common_arguments,
     delaying_proxy,
@@ -130,9 +137,12 @@ def build_cases(
         order = RandomSampler(reference, generator=torch.Generator().manual_seed(round_))
         return time_loader(reference, order, args.batch_size, args.workers, time.perf_counter())
 
+    wids_cold = wids_case(args, work, proxy, warm_ds.shards, to_tensor)
+
     cases: dict[str, Case] = {  # the pairs compared run next to each other
         "local disk": local_disk,
         "shards cold": cold,
+        "wids cold": wids_cold,
         "shards warm": warm,
         "S3ImageFolder": s3_per_file,
         # dask-dataframe rows/s (the other half of issue 8) is not measured here: add its
@@ -147,8 +157,57 @@ def build_cases(
     return cases, notes
 
 
+def wids_case(args: argparse.Namespace, work: Path, proxy: str, shards, to_tensor) -> Case:
+    """Real ``wids`` reading the shards through the proxy, cold, the wids notebook's way."""
+    import json
+    import warnings
+
+    import boto3
+    import wids
+
+    s3 = boto3.client(
+        "s3", endpoint_url=proxy, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+        region_name="us-east-1",
+    )  # fmt: skip
+    prefix = f"s3://{BUCKET}/"
+    entries = [
+        {
+            "url": s3.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": BUCKET, "Key": shard["url"].removeprefix(prefix)},
+                ExpiresIn=6 * 3600,
+            ),
+            "nsamples": shard["nsamples"],
+        }
+        for shard in shards
+    ]
+    listing = work / "wids-shards.json"
+    listing.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+
+    def make_sample(sample):
+        return to_tensor(sample[".jpg"]), sample[".cls"]
+
+    def run(round_: int) -> tuple[float, int]:
+        start = time.perf_counter()
+        with warnings.catch_warnings():  # "called without distributed initialized"
+            warnings.simplefilter("ignore")
+            ds = wids.ShardListDataset(str(listing), cache_dir=str(work / f"wids-cold-{round_}"))
+            ds.add_transform(make_sample)
+            sampler = wids.DistributedChunkedSampler(ds, chunksize=1000, shuffle=True)
+        sampler.set_epoch(round_)
+        return time_loader(ds, sampler, args.batch_size, args.workers, start)
+
+    return run
+
+
 CHECKS = [  # (label, numerator, denominator, target or None)
     ("shards cold / local disk", "shards cold", "local disk", 0.9),
+    (
+        "shards cold / wids cold (real wids, same shards and proxy)",
+        "shards cold",
+        "wids cold",
+        None,
+    ),
     ("shards warm / local disk", "shards warm", "local disk", None),
     ("shards cold / S3ImageFolder (per-file GETs)", "shards cold", "S3ImageFolder", None),
     ("shards warm / shards cold", "shards warm", "shards cold", None),
