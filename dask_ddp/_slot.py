@@ -45,6 +45,8 @@ class RankRun:
         True while the user's function (or the set-up before it) may still be stopped.
     abort_reason : str or None
         Why the client stopped the rank, once it did.
+    abort_failed_rank : int or None
+        The rank whose failure made the client stop this one, if one did.
     links : frozenset of int
         Socket fds the process group opened (gloo), shut down on failure or abort.
     store : torch.distributed.TCPStore or None
@@ -69,6 +71,7 @@ class RankRun:
     master: tuple[str, int] | None = None
     running: bool = True
     abort_reason: str | None = None
+    abort_failed_rank: int | None = None
     links: frozenset[int] = frozenset()
     store: Any = None
     context: RankContext | None = None

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 _FAILURES = "dask-ddp/failures"
 _FIRST_FAILURE = "dask-ddp/first-failure"
+_FIRST_ERROR = "dask-ddp/first-error"
+_MAX_ERROR_CHARS = 2000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,18 +115,21 @@ def drop_store(job_id: str, dask_worker: Any = None) -> bool:
     return PROCESS.take_store(job_id) is not None
 
 
-def abort_rank(job_id: str, reason: str, dask_worker: Any = None) -> bool:
+def abort_rank(
+    job_id: str, reason: str, failed_rank: int | None = None, dask_worker: Any = None
+) -> bool:
     """Stop this process's rank of ``job_id``, if it is still in the user's function.
 
-    Raises :class:`~dask_ddp.errors.RankStoppedError` in the rank's thread at its next
-    Python instruction. A rank blocked inside a C++ collective only sees it once the
-    collective returns; the client restarts such workers after a grace period.
+    Raises :class:`~dask_ddp.errors.RankStoppedError` (with ``reason``, and the rank that
+    failed first when one did) in the rank's thread at its next Python instruction. A
+    rank blocked inside a C++ collective only sees it once the collective returns; the
+    client restarts such workers after a grace period.
     """
     with PROCESS.lock:
         active = PROCESS.current()
         if active is None or active.job_id != job_id or not active.running:
             return False
-        active.abort_reason = reason
+        active.abort_reason, active.abort_failed_rank = reason, failed_rank
         _process.sever(active.links)
         _process.raise_in_thread(active.thread_id, _Abort)
     if active.master is not None:  # in case it waits at the rendezvous, in C++
@@ -318,25 +323,33 @@ def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
         logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
 
 
-def _first_failure(store: Any, rank: int, *, peer_lost: bool = False) -> int | None:
-    """Record this rank's failure; return the rank that failed first if it was another.
+def _first_failure(
+    store: Any, rank: int, error: BaseException, *, peer_lost: bool = False
+) -> tuple[int, str] | None:
+    """Record this rank's failure; return the rank that failed first, and its error
+    (``"ValueError: bad batch"``), if it was another.
 
-    A rank whose collective failed because a peer's connection closed, when no rank has
-    recorded a failure, did not fail first: a peer's process died (killed, out of memory).
-    It returns -1 (unknown) then, and the client names the lost worker.
+    The first rank to fail stores its error's type and message before its rank, so that a
+    peer stopped by it reports the real cause, whichever rank's future a caller reads
+    first. A rank whose collective failed because a peer's connection closed, when no rank
+    has recorded a failure, did not fail first: a peer's process died (killed, out of
+    memory). It returns -1 (unknown) then, and the client names the lost worker.
     """
+    summary = f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS]
     try:
         if peer_lost:
             store.wait([_FIRST_FAILURE], timedelta(seconds=1))
         elif store.add(_FAILURES, 1) == 1:
+            store.set(_FIRST_ERROR, summary)
             store.set(_FIRST_FAILURE, str(rank))
             return None
         store.wait([_FIRST_FAILURE], timedelta(seconds=2))
         first = int(store.get(_FIRST_FAILURE))
+        cause = store.get(_FIRST_ERROR).decode("utf-8", "replace")
     except (RuntimeError, TimeoutError, ValueError):
         # Nobody recorded a failure (or rank 0's store is gone with its process).
-        return -1 if peer_lost else None
-    return None if first == rank else first
+        return (-1, summary) if peer_lost else None
+    return None if first == rank else (first, cause)
 
 
 def run_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec) -> Any:
@@ -430,14 +443,14 @@ def _run_in_slot(
     except BaseException as exc:
         PROCESS.stop_running(run)
         if run.abort_reason is not None:
-            raise RankStoppedError(p.rank, run.abort_reason, job=spec.job_id) from exc
-        first = _first_failure(store, p.rank, peer_lost=_process.is_peer_loss(exc))
+            raise RankStoppedError(
+                p.rank, run.abort_reason, job=spec.job_id, failed_rank=run.abort_failed_rank
+            ) from exc
+        first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
         with PROCESS.lock:
             _process.sever(run.links)
         if first is not None:
-            raise RankStoppedError(
-                p.rank, f"{type(exc).__name__}: {exc}", failed_rank=first
-            ) from exc
+            raise RankStoppedError(p.rank, first[1], failed_rank=first[0]) from exc
         raise
     finally:
         PROCESS.stop_running(run)

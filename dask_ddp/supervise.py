@@ -309,10 +309,23 @@ class Supervisor:
         if not self._will_restart():
             # The outcome is known: result() raises now, while the peers are stopped.
             model.done.set()
-        reason = f"another rank failed ({type(error).__name__})"
-        self._stop(reason, set(range(world)) - finished, finished)
+        # The peers' RankStoppedError names the rank that failed and its own error, so
+        # that gathering their futures (dispatch.run's users) shows the real cause.
+        if isinstance(error, RankStoppedError):
+            failed_rank, reason = error.failed_rank, error.reason
+        elif isinstance(error, RankFailedError):
+            failed_rank, reason = error.rank, error.cause
+        else:
+            first_line = str(error).split("\n", 1)[0]
+            failed_rank, reason = (
+                getattr(error, "rank", None),
+                f"{type(error).__name__}: {first_line}",
+            )
+        self._stop(reason, set(range(world)) - finished, finished, failed_rank=failed_rank)
 
-    def _stop(self, reason: str, running: set[int], finished: set[int]) -> None:
+    def _stop(
+        self, reason: str, running: set[int], finished: set[int], failed_rank: int | None = None
+    ) -> None:
         """Stop the ranks in ``running``: abort in place, then restart stuck workers.
 
         Ranks whose worker has left the cluster are only cancelled: there is nothing to
@@ -323,7 +336,8 @@ class Supervisor:
         gone = {r for r in running if workers[r] not in alive}
         finished |= gone
         self.silent |= gone  # no final marker will come from them
-        idle = _abort_ranks(client, run_id, reason, sorted({workers[r] for r in running - gone}))
+        targets = sorted({workers[r] for r in running - gone})
+        idle = _abort_ranks(client, run_id, reason, failed_rank, targets)
         deadline = time.monotonic() + self.grace
         while running - finished:
             try:
@@ -347,14 +361,16 @@ class Supervisor:
         self.reader.drain(ranks, timeout, self._get, warn=warn)
 
 
-def _abort_ranks(client: Client, run_id: str, reason: str, targets: list[str]) -> set[str]:
+def _abort_ranks(
+    client: Client, run_id: str, reason: str, failed_rank: int | None, targets: list[str]
+) -> set[str]:
     """Ask the ranks of ``run_id`` on ``targets`` to stop; return the workers where none
     of its ranks runs (queued, or done)."""
     if not targets:
         return set()
     try:
         aborted = client.run(
-            bootstrap.abort_rank, run_id, reason, workers=targets, on_error="ignore"
+            bootstrap.abort_rank, run_id, reason, failed_rank, workers=targets, on_error="ignore"
         )
     except Exception:
         logger.debug("job %s: abort request failed", run_id, exc_info=True)

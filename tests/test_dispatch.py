@@ -229,6 +229,26 @@ def test_failing_rank_fails_the_job_fast(own_cluster) -> None:
         )
 
 
+@pytest.mark.slow
+def test_gathering_the_drop_in_futures_shows_the_failing_ranks_error(own_cluster) -> None:
+    # dask-pytorch-ddp's users gather the futures in rank order: rank 0's future, stopped
+    # by rank 1's failure, must carry rank 1's error, not only "connection closed".
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        futures = dask_ddp.dispatch.run(client, _fail_at_step, 1, 5)
+        with pytest.raises(Exception, match="bad batch at step 5") as info:
+            client.gather(futures)
+        assert "rank 1" in str(info.value)
+        stopped = futures[0].exception(timeout=60)
+        assert isinstance(stopped, dask_ddp.RankStoppedError)
+        assert (stopped.rank, stopped.failed_rank) == (0, 1)
+        assert stopped.reason == "ValueError: bad batch at step 5"
+        assert str(stopped).startswith(
+            "rank 0 stopped because rank 1 failed first (ValueError: bad batch at step 5)"
+        )
+        assert isinstance(futures[1].exception(timeout=60), ValueError)
+
+
 def _spin_forever() -> None:
     while True:
         time.sleep(0.01)
