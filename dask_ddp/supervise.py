@@ -309,22 +309,11 @@ class Supervisor:
         if not self._will_restart():
             # The outcome is known: result() raises now, while the peers are stopped.
             model.done.set()
-        # The peers' RankStoppedError names the rank that failed and its own error, so
-        # that gathering their futures (dispatch.run's users) shows the real cause.
-        if isinstance(error, RankStoppedError):
-            failed_rank, reason = error.failed_rank, error.reason
-        elif isinstance(error, RankFailedError):
-            failed_rank, reason = error.rank, error.cause
-        else:
-            first_line = str(error).split("\n", 1)[0]
-            failed_rank, reason = (
-                getattr(error, "rank", None),
-                f"{type(error).__name__}: {first_line}",
-            )
-        self._stop(reason, set(range(world)) - finished, finished, failed_rank=failed_rank)
+        failed_rank, reason = _failure_of(error)
+        self._stop(reason, set(range(world)) - finished, finished, failed_rank)
 
     def _stop(
-        self, reason: str, running: set[int], finished: set[int], failed_rank: int | None = None
+        self, reason: str, running: set[int], finished: set[int], failed: int | None = None
     ) -> None:
         """Stop the ranks in ``running``: abort in place, then restart stuck workers.
 
@@ -337,7 +326,7 @@ class Supervisor:
         finished |= gone
         self.silent |= gone  # no final marker will come from them
         targets = sorted({workers[r] for r in running - gone})
-        idle = _abort_ranks(client, run_id, reason, failed_rank, targets)
+        idle = _abort_ranks(client, run_id, reason, failed, targets)
         deadline = time.monotonic() + self.grace
         while running - finished:
             try:
@@ -359,6 +348,17 @@ class Supervisor:
     def _drain(self, ranks: Iterable[int], timeout: float, *, warn: bool = False) -> None:
         """Wait until ``ranks`` have sent their final marker and everything before it."""
         self.reader.drain(ranks, timeout, self._get, warn=warn)
+
+
+def _failure_of(error: BaseException) -> tuple[int | None, str]:
+    """The rank that failed first and its error, for the RankStoppedError of the others:
+    so that gathering their futures (dispatch.run's users) shows the real cause."""
+    if isinstance(error, RankStoppedError):
+        return error.failed_rank, error.reason
+    if isinstance(error, RankFailedError):
+        return error.rank, error.cause
+    first_line = str(error).split("\n", 1)[0]
+    return getattr(error, "rank", None), f"{type(error).__name__}: {first_line}"
 
 
 def _abort_ranks(
