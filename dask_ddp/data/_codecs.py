@@ -185,8 +185,8 @@ class _SampleDecoding:
     @staticmethod
     def _field(sample: Mapping[str, Any], wanted: str, raw: Mapping[str, Any]) -> Any:
         for name in wanted.split(";"):
-            key = "." + name.lstrip(".")
-            if key in sample:
+            key = name if name.startswith("__") else "." + name.lstrip(".")
+            if key in sample:  # "jpg" or ".jpg"; "__key__" as it is
                 return sample[key]
         available = tuple(k for k in sample if not k.startswith("__"))
         raise MissingFieldError(raw["__shard__"], raw["__key__"], wanted, available)

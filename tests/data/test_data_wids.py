@@ -237,8 +237,8 @@ def test_json_url_on_s3(wds_shards, s3_client, bucket, s3_endpoint, tmp_path):
 def test_keys_mode_and_wids_mode_do_not_mix(tmp_path):
     write_shards([{"jpg": _image(1, "RGB"), "cls": 1}], tmp_path)
     url = tmp_path / "shards.json"
-    image, label = ShardListDataset(url, keys=(".jpg;png", "cls"))[0]  # dots optional
-    assert image.mode == "RGB" and label == 1
+    image, label, key = ShardListDataset(url, keys=(".jpg;png", "cls", "__key__"))[0]
+    assert image.mode == "RGB" and label == 1 and key == "000000000"  # dots optional
     raw = ShardListDataset(url, decode=False)[0]
     assert raw[".cls"] == b"1" and raw["__index__"] == 0  # our decode=: bytes, wids's keys
     undecoded = ShardListDataset(url, transformations=[])[0]
