@@ -65,6 +65,36 @@ extension (``seg.png`` decodes as ``png``): images to RGB :class:`PIL.Image.Imag
 fields stay bytes (pickles are never unpickled)."""
 
 
+class Sample(dict):
+    """A sample's dict; looking up a field it lacks raises :class:`MissingFieldError`
+    (a ``KeyError``) naming the shard, the sample and the fields it has.
+
+    >>> sample = Sample({".jpg": b"", "__key__": "000017", "__shard__": "s.tar"})
+    >>> try:
+    ...     sample[".png"]
+    ... except KeyError as err:
+    ...     print(err)  # doctest: +ELLIPSIS
+    sample '000017' in s.tar has no '.png' field (it has: .jpg). ...
+    """
+
+    def __missing__(self, key: Any) -> Any:
+        if not isinstance(key, str) or key.startswith("__"):
+            raise KeyError(key)
+        available = tuple(k for k in self if not k.startswith("__"))
+        raise MissingFieldError(
+            str(self.get("__shard__")), str(self.get("__key__")), key, available
+        )
+
+
+def _fields(raw: Mapping[str, Any], streams: bool) -> Sample:
+    """A raw sample (``ext: bytes``) under wids's keys (``.ext``), the bytes as they are or,
+    as wids gives them to its transformations (``streams``), in ``io.BytesIO``."""
+    return Sample(
+        (k, v) if k.startswith("__") else ("." + k, io.BytesIO(v) if streams else v)
+        for k, v in raw.items()
+    )
+
+
 Decode = bool | Mapping[str, Callable[[bytes], Any] | None] | Callable[..., Any]
 """What ``ShardListDataset(decode=...)`` takes."""
 
@@ -134,12 +164,10 @@ class _SampleDecoding:
         return self
 
     def _decode(self, raw: dict[str, Any]) -> Any:
-        from dask_ddp.data._wids import Sample, wids_fields
-
         decode = self.decode
+        fields = _fields(raw, streams=decode is None)
         if decode is None:  # wids: the decoders among the transformations run in _finish
-            return wids_fields(raw)
-        fields = Sample((k if k.startswith("__") else "." + k, v) for k, v in raw.items())
+            return fields
         if decode is False:
             return fields
         if callable(decode) and not isinstance(decode, (bool, Mapping)):

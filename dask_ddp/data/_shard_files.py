@@ -28,7 +28,6 @@ from dask_ddp.data._errors import (
     DataNotFoundError,
     SampleFetchError,
     ShardListError,
-    StorageAccessError,
 )
 from dask_ddp.data._fsclient import (
     _endpoint_of,
@@ -121,13 +120,12 @@ class _ShardFiles:
                 raise ShardListError(url, f"it is not JSON ({err})") from err
             if isinstance(desc, list):  # a bare list of entries
                 desc = {"shardlist": desc}
-            desc = {**desc, **(options or {}), **({"base": base} if base else {})}
-            return url, _parse_description(desc, url, url.rsplit("/", 1)[0])
-        source = "the shard list passed in"
-        if not isinstance(shards, Mapping):
-            shards = {"shardlist": shards}
-        desc = {**shards, **(options or {}), **({"base": base} if base else {})}
-        return source, _parse_description(desc, source, None)
+            source, folder = url, url.rsplit("/", 1)[0]
+        else:
+            source, folder = "the shard list passed in", None
+            desc = shards if isinstance(shards, Mapping) else {"shardlist": shards}
+        desc = {**desc, **(options or {}), **({"base": base} if base else {})}
+        return source, _parse_description(desc, source, folder)
 
     def _filesystem(self) -> fsspec.AbstractFileSystem:
         """This process's client for the shards, created on first use in each process."""
@@ -252,15 +250,13 @@ class _ShardFiles:
         shard = self._shards[s]
         fs = self._filesystem()
         start = time.perf_counter()
-        try:
-            with storage_errors(shard.url, self._endpoint):
+        with storage_errors(shard.url, self._endpoint):  # botocore's, not OSErrors
+            try:
                 fs.get_file(fsspec.core.strip_protocol(shard.url), str(part))
-        except FileNotFoundError as err:
-            raise DataNotFoundError(shard.url, _cause(err), self.source) from err
-        except StorageAccessError:
-            raise
-        except OSError as err:
-            raise SampleFetchError(shard.url, _cause(err)) from err
+            except FileNotFoundError as err:
+                raise DataNotFoundError(shard.url, _cause(err), self.source) from err
+            except OSError as err:
+                raise SampleFetchError(shard.url, _cause(err)) from err
         size = part.stat().st_size
         if shard.filesize is not None and size != shard.filesize:
             raise CorruptDataError(

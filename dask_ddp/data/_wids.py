@@ -23,13 +23,14 @@ import numpy as np
 from PIL import Image
 
 from dask_ddp.data._codecs import (
+    Sample,
     _decode_int,
     _decode_json,
     _decode_npy,
     _decode_pth,
     _decode_text,
 )
-from dask_ddp.data._errors import CorruptDataError, MissingFieldError
+from dask_ddp.data._errors import CorruptDataError
 
 Transformations = str | Callable[[Any], Any] | Iterable[str | Callable[[Any], Any]]
 
@@ -60,27 +61,6 @@ _BASIC: dict[str, Callable[[bytes], Any]] = {
     "safetensors": _decode_safetensors,
     "mp": _decode_msgpack,
 }
-
-
-class Sample(dict):
-    """A sample's dict; looking up a field it lacks raises :class:`MissingFieldError`
-    (a ``KeyError``) naming the shard, the sample and the fields it has.
-
-    >>> sample = Sample({".jpg": b"", "__key__": "000017", "__shard__": "s.tar"})
-    >>> try:
-    ...     sample[".png"]
-    ... except KeyError as err:
-    ...     print(err)  # doctest: +ELLIPSIS
-    sample '000017' in s.tar has no '.png' field (it has: .jpg). ...
-    """
-
-    def __missing__(self, key: Any) -> Any:
-        if not isinstance(key, str) or key.startswith("__"):
-            raise KeyError(key)
-        available = tuple(k for k in self if not k.startswith("__"))
-        raise MissingFieldError(
-            str(self.get("__shard__")), str(self.get("__key__")), key, available
-        )
 
 
 class WidsDecoder:
@@ -169,10 +149,3 @@ def interpret_transformations(transformations: Transformations | None) -> list[C
                 f"list of those, got {t!r}"
             )
     return out
-
-
-def wids_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """A raw sample (``ext: bytes``) as wids gives it to transformations: ``.ext: BytesIO``."""
-    return Sample(
-        (k, v) if k.startswith("__") else ("." + k, io.BytesIO(v)) for k, v in raw.items()
-    )
