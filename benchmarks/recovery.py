@@ -4,6 +4,10 @@
    own worker process (SIGKILL) mid-training on the first attempt. With
    ``max_restarts=1`` the job is placed again and resumes from the last checkpoint. The
    time from the kill to the first training step of the next attempt is printed.
+   Elastic: the same kill in a ``workers=3, min_workers=2`` job on 3 workers, which goes on
+   with 2 ranks at once; when the nanny's replacement joins, the job grows back to 3 at its
+   next checkpoint. Printed: kill -> first step at 2 ranks, and worker joined -> first
+   step at 3 ranks, beside the plain restart at the same size.
 2. Checkpoints: a state of ``--mb`` MB is written and read back with dask_ddp's checkpoint
    module and with plain ``torch.save``/``torch.load`` to the same place, alternately,
    on local disk and on a real S3 server (moto, started here on loopback)::
@@ -27,7 +31,7 @@ import uuid
 import torch
 
 
-def train(ckpt_every: int, steps: int, marker_dir: str) -> dict:
+def train(ckpt_every: int, steps: int, marker_dir: str, step_seconds: float = 0.0) -> dict:
     """A resumable training loop: the benchmarked job."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -60,6 +64,7 @@ def train(ckpt_every: int, steps: int, marker_dir: str) -> dict:
             with open(os.path.join(marker_dir, "killed_at"), "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(step_seconds)
     return {"attempt": ctx.attempt, "first_step_at": first_step_at, "start": start}
 
 
@@ -85,6 +90,42 @@ def bench_recovery(steps: int) -> tuple[float, int]:
             killed_at = float(f.read())
         resumed_at = min(o["first_step_at"] for o in out)
         return resumed_at - killed_at, out[0]["start"]
+
+
+def bench_elastic(steps: int) -> tuple[float, float, list[int]]:
+    """An elastic job (workers=3, min_workers=2) on 3 workers: rank 1 kills its worker, the
+    job goes on with 2 from its checkpoint at once; the nanny's replacement joins and the
+    job grows back to 3 at its next checkpoint. Returns (kill -> first step at 2 ranks,
+    worker joined -> first step at 3 ranks, the sizes it ran at)."""
+    from distributed import Client, LocalCluster
+
+    import dask_ddp
+
+    joined: list[float] = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        dask_ddp.launch(client, time.time).result()  # warm: workers import torch
+        client.subscribe_topic(
+            "all",
+            lambda ev: joined.append(ev[0]) if ev[1].get("action") == "add-worker" else None,
+        )
+        job = dask_ddp.launch(
+            client, train, args=(5, steps, tmp, 0.02), workers=3, min_workers=2,
+            max_restarts=1, checkpoint_dir=os.path.join(tmp, "ckpt"),
+        )  # fmt: skip
+        job.result(timeout=300)
+        with open(os.path.join(tmp, "killed_at")) as f:
+            killed_at = float(f.read())
+        history = job.history
+        sizes = [a.world_size for a in history]
+        if sizes != [3, 2, 3] or not joined:
+            raise RuntimeError(f"the job ran at {sizes}, not [3, 2, 3]: raise --elastic-steps")
+        return history[1].first_step - killed_at, history[2].first_step - joined[-1], sizes
 
 
 def _state(mb: int) -> dict:
@@ -136,6 +177,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--mb", type=int, default=100, help="checkpoint size in MB")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--elastic-steps", type=int, default=600, help="steps of the elastic job (20 ms each)"
+    )
     args = parser.parse_args()
 
     import dask
@@ -161,6 +205,21 @@ def main() -> None:
     print(
         f"recovery median: {statistics.median(recoveries):.2f} s over {args.runs} runs "
         "(target < 10 s)"
+    )
+    shrinks, grows = [], []
+    for _ in range(args.runs):
+        shrink, grow, sizes = bench_elastic(args.elastic_steps)
+        shrinks.append(shrink)
+        grows.append(grow)
+        print(
+            f"elastic (ranks {sizes}): kill -> first step at 2 ranks {shrink:.2f} s; "
+            f"worker joined -> first step at 3 ranks {grow:.2f} s"
+        )
+    plain = statistics.median(recoveries)
+    print(
+        f"elastic median over {args.runs} runs: shrink {statistics.median(shrinks):.2f} s, "
+        f"grow {statistics.median(grows):.2f} s (target < 10 s each); plain restart at the "
+        f"same size {plain:.2f} s: shrink/plain {statistics.median(shrinks) / plain:.2f}x"
     )
 
     for name, value in {

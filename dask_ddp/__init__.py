@@ -39,12 +39,14 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         RankFailedError,
         RankStoppedError,
         RendezvousTimeoutError,
+        ResizeStopError,
         RetryableError,
+        ScaleTimeoutError,
         UnsafeResultPathError,
         WorkerBusyError,
         WorkerLostError,
     )
-    from .job import Job, JobState, MetricRecord, OutputLine
+    from .job import AttemptInfo, Job, JobState, MetricRecord, OutputLine
     from .results import DaskResultsHandler
 
 # Each public name and the module that defines it. Modules load on first use, so that
@@ -76,10 +78,13 @@ _WHERE = {
     "RankFailedError": "errors",
     "RankStoppedError": "errors",
     "RendezvousTimeoutError": "errors",
+    "ResizeStopError": "errors",
     "RetryableError": "errors",
+    "ScaleTimeoutError": "errors",
     "UnsafeResultPathError": "errors",
     "WorkerBusyError": "errors",
     "WorkerLostError": "errors",
+    "AttemptInfo": "job",
     "Job": "job",
     "JobState": "job",
     "MetricRecord": "job",
@@ -105,6 +110,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AttemptInfo",
     "BackendUnavailableError",
     "ChannelError",
     "CheckpointDirMissingError",
@@ -127,7 +133,9 @@ __all__ = [
     "RankFailedError",
     "RankStoppedError",
     "RendezvousTimeoutError",
+    "ResizeStopError",
     "RetryableError",
+    "ScaleTimeoutError",
     "UnsafeCheckpointError",
     "UnsafeResultPathError",
     "WorkerBusyError",

@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _quiet_job_failure() -> None:
     """A failed job is printed by the command, whole; its one-line warning would repeat it."""
-    for name in ("dask_ddp.job", "dask_ddp.supervise"):
+    for name in ("dask_ddp.job", "dask_ddp._watch"):
         logging.getLogger(name).addFilter(
             lambda record: not str(record.msg).startswith("job %s failed")
         )

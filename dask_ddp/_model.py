@@ -10,6 +10,7 @@ waiting for a change (:meth:`Job.iter_metrics`, :meth:`Job.watch`,
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import itertools
 import logging
@@ -32,6 +33,8 @@ _VIEW_LINES = 8  # printed lines the live view shows
 class JobState(str, enum.Enum):
     """RUNNING -> SUCCEEDED | FAILED | CANCELLED; RUNNING -> RESTARTING -> RUNNING.
 
+    A job that waits for free workers is WAITING first (and may be CANCELLED there).
+
     Examples
     --------
     >>> JobState("succeeded") is JobState.SUCCEEDED
@@ -40,6 +43,7 @@ class JobState(str, enum.Enum):
     <JobState.RUNNING: 'running'>
     """
 
+    WAITING = "waiting"
     RUNNING = "running"
     RESTARTING = "restarting"
     SUCCEEDED = "succeeded"
@@ -72,6 +76,48 @@ class MetricRecord(NamedTuple):
     step: int | None
     time: float
     metrics: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptInfo:
+    """One placement of a job: how many ranks, why it started, when it trained.
+
+    An elastic job (``launch(..., min_workers=)``) that shrinks after a lost worker or
+    grows at a checkpoint has one entry per size it ran at; :attr:`Job.history
+    <dask_ddp.Job.history>` lists them.
+
+    Attributes
+    ----------
+    attempt : int
+        0 for the first placement, then one more per restart or resize.
+    world_size : int
+        The attempt's number of ranks.
+    reason : str
+        Why it started: ``"started"``, the failure it restarts after, or the grow.
+    started : float
+        When the job began moving to it: the launch, or when the attempt before stopped
+        (``time.time()`` on the client), so that :attr:`seconds_to_first_step` is the time
+        without training.
+    first_step : float or None
+        When its first :func:`dask_ddp.report` record arrived; None before.
+
+    Examples
+    --------
+    >>> a = AttemptInfo(1, 2, "worker tcp://10.0.0.7:4031 lost", 1.7e9, 1.7e9 + 4.5)
+    >>> a.seconds_to_first_step
+    4.5
+    """
+
+    attempt: int
+    world_size: int
+    reason: str
+    started: float
+    first_step: float | None = None
+
+    @property
+    def seconds_to_first_step(self) -> float | None:
+        """From :attr:`started` to the first reported step; None before it."""
+        return None if self.first_step is None else self.first_step - self.started
 
 
 class OutputLine(NamedTuple):
@@ -153,7 +199,10 @@ class JobModel:
         self.job_id = job_id
         self.cond = threading.Condition()
         self.done = threading.Event()  # set once the outcome is known
-        self.state = JobState.RUNNING
+        self.state = JobState.RUNNING if workers else JobState.WAITING
+        self.wait_reason: str | None = None
+        self.moving_since: float | None = time.time()  # launch, or the last attempt's end
+        self.history: list[AttemptInfo] = []
         self.error: BaseException | None = None
         self.started = time.monotonic()
         self.finished: float | None = None
@@ -163,24 +212,60 @@ class JobModel:
         self.results: dict[str, collections.deque[tuple[int, str, Any]]] = {}
         self.status_changes = 0  # rank status messages seen (wakes Job.watch)
         self.closed = False  # the channel is closed: nothing more arrives
-        self.progress = [_RankProgress() for _ in workers]
+        self.progress: list[_RankProgress] = []
         self.curve_metric: str | None = None
         self.rank_errors: dict[int, str] = {}
         self.notes: list[str] = []
         self.views: list[Any] = []
         self.view_due: float | None = None
         self._last_view = 0.0
-        self.new_attempt(0, "", workers, backend)
+        self.new_attempt(0, "", workers, backend, "")
 
-    def new_attempt(self, attempt: int, topic: str, workers: list[str], backend: str) -> None:
-        """Take a new placement: its ranks' phases start again, their futures are pending."""
+    def new_attempt(
+        self, attempt: int, topic: str, workers: list[str], backend: str, reason: str
+    ) -> None:
+        """Take a new placement: its ranks' phases start again, their futures are pending.
+
+        A resized job keeps the progress of the ranks it still has. ``reason`` (empty for
+        the model's initial state) starts an entry of :attr:`history`.
+        """
         with self.cond:
             self.attempt, self.topic = attempt, topic
             self.workers, self.backend = list(workers), backend
             self.futures: list[Any] = []
             self.status = [_RankStatus() for _ in self.workers]
+            del self.progress[len(self.workers) :]
+            self.progress += [_RankProgress() for _ in self.workers[len(self.progress) :]]
             self.rank_errors.clear()
+            self.wait_reason = None
+            if reason:
+                since = self.moving_since or time.time()
+                self.history.append(AttemptInfo(attempt, len(workers), reason, since))
+                self.moving_since = None
             self.cond.notify_all()
+        self.mark_views()
+
+    def waiting(self, reason: str) -> None:
+        """The job waits for workers: say why (the live view and the log show it)."""
+        with self.cond:
+            changed = reason.split(":")[0] != (self.wait_reason or "").split(":")[0]
+            self.wait_reason = reason
+            self.cond.notify_all()
+        if changed:
+            logger.info("job %s: %s", self.job_id, reason)
+        self.mark_views()
+
+    def _first_step(self, when: float) -> None:
+        """The current attempt's first record arrived (called with :attr:`cond` held)."""
+        info = self.history[-1]
+        self.history[-1] = dataclasses.replace(info, first_step=when)
+        if len(self.history) > 1 and self.history[-2].world_size != info.world_size:
+            text = (
+                f"resized from {self.history[-2].world_size} to {info.world_size} ranks "
+                f"({info.reason}); first step {when - info.started:.1f} s after"
+            )
+            logger.info("job %s: %s", self.job_id, text)
+            self.notes.append(text)
 
     def notify(self) -> None:
         """Wake the readers: something they may wait for changed (a future's status)."""
@@ -201,6 +286,8 @@ class JobModel:
                         self.curve_metric = _pick_curve_metric(values)
                     self.progress[rank].add(rec, self.curve_metric)
                     records.append(rec)
+                    if self.history and self.history[-1].first_step is None:
+                        self._first_step(time.time())
                 elif kind == events.CHECKPOINT:
                     url, step, nbytes, when = body
                     self.checkpoints.append(
@@ -296,6 +383,7 @@ class JobModel:
             return {
                 "job": self.job_id,
                 "state": self.state.value,
+                "waiting": self.wait_reason,
                 "backend": self.backend,
                 "elapsed": end - self.started,
                 "records": len(self.metrics),

@@ -102,6 +102,7 @@ class ProcessSlot:
         self._free = threading.Condition(self.lock)
         self.run: RankRun | None = None
         self._stores: dict[str, Any] = {}
+        self._grow_requests: set[str] = set()
 
     def current(self) -> RankRun | None:
         """The rank running in this process, if any (None in a process forked from it
@@ -134,6 +135,7 @@ class ProcessSlot:
             if self.run is run:
                 self.run = None
                 self._free.notify()
+        self.take_grow_request(run.job_id)  # a request that came too late dies with the run
         while run.on_end:
             run.on_end.pop()()
 
@@ -151,6 +153,20 @@ class ProcessSlot:
         """Hand over (and forget) the store of ``job_id``; None if there is none."""
         with self.lock:
             return self._stores.pop(job_id, None)
+
+    def request_grow(self, job_id: str) -> None:
+        """Note that the client has workers for ``job_id`` to grow onto (on its rank 0's
+        worker); its rank 0 takes the request at its next checkpoint."""
+        with self.lock:
+            self._grow_requests.add(job_id)
+
+    def take_grow_request(self, job_id: str) -> bool:
+        """Whether a grow was requested for ``job_id`` since the last call."""
+        with self.lock:
+            if job_id in self._grow_requests:
+                self._grow_requests.discard(job_id)
+                return True
+            return False
 
 
 #: This process's slot.

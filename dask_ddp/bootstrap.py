@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from . import _malloc, _output, _process, _status, events
+from . import _malloc, _output, _process, _resize, _status, events
 from ._slot import PROCESS, RankRun
 from .context import RankContext, _activated, _Checkpointing
-from .errors import RankStoppedError, RendezvousTimeoutError, WorkerBusyError
+from .errors import RankStoppedError, RendezvousTimeoutError, ResizeStopError, WorkerBusyError
 from .placement import RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class RankSpec:
     tune_malloc: bool = True  # ddp.tune-malloc
     # launch(datasets=): this rank's share of each dataset (keys and row ranges, no data)
     datasets: dict[str, Any] | None = None
+    # an elastic job below its size: the ranks may stop at a checkpoint to grow
+    can_grow: bool = False
 
 
 class _Abort(BaseException):
@@ -113,6 +115,12 @@ async def probe_worker(
 def drop_store(job_id: str, dask_worker: Any = None) -> bool:
     """Close the job's store if no rank took it (the job failed or was cancelled first)."""
     return PROCESS.take_store(job_id) is not None
+
+
+def request_grow(job_id: str, dask_worker: Any = None) -> bool:
+    """Ask ``job_id``'s rank 0 (on this worker) to stop at its next checkpoint to grow."""
+    PROCESS.request_grow(job_id)
+    return True
 
 
 def abort_rank(
@@ -433,7 +441,12 @@ def _run_in_slot(
         master_port=spec.master_port,
     )
     logger.debug("job %s: rank %d joined on %s", spec.job_id, p.rank, p.worker)
-    checkpointing = _Checkpointing(spec.checkpoint_dir, spec.keep_last, spec.storage_options)
+    checkpointing = _Checkpointing(
+        spec.checkpoint_dir,
+        spec.keep_last,
+        spec.storage_options,
+        grow_timeout=spec.timeout if spec.can_grow else None,
+    )
     try:
         with (
             _activated(run, ctx, checkpointing, spec.datasets),
@@ -449,6 +462,10 @@ def _run_in_slot(
         first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
         with PROCESS.lock:
             _process.sever(run.links)
+        if isinstance(exc, _resize.GrowAtCheckpoint):
+            # Every rank stops here (rank 0 recorded it first, for a rank that skipped the
+            # checkpoint call: its next collective fails on the severed links).
+            raise ResizeStopError(p.rank, exc.step) from None
         if first is not None:
             raise RankStoppedError(p.rank, first[1], failed_rank=first[0]) from exc
         raise

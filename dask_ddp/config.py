@@ -40,6 +40,7 @@ class Settings:
     max_event_bytes: int = 65536
     event_flush_interval: float = 0.2
     event_drain_timeout: float = 10.0
+    scale_timeout: float = 300.0
 
 
 def _seconds(value: Any, key: str) -> float:
@@ -92,4 +93,5 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
         max_event_bytes=_bytes(get("ddp.max-event-bytes"), "max-event-bytes"),
         event_flush_interval=_seconds(get("ddp.event-flush-interval"), "event-flush-interval"),
         event_drain_timeout=_seconds(get("ddp.event-drain-timeout"), "event-drain-timeout"),
+        scale_timeout=_seconds(get("ddp.scale-timeout"), "scale-timeout"),
     )

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import _resize
 from . import checkpoint as _checkpoint
 from . import events as _events
 from ._slot import PROCESS, RankRun
@@ -231,6 +232,9 @@ class _Checkpointing:
     directory: str | None
     keep_last: int | None = None
     storage_options: dict[str, Any] | None = None
+    # an elastic job below its size: its ranks may stop at a checkpoint to grow, waiting
+    # at most this long for rank 0's decision (None: the job cannot grow)
+    grow_timeout: float | None = None
 
 
 def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | None:
@@ -245,6 +249,11 @@ def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | No
     Save plain state (``model.state_dict()``, ``optimizer.state_dict()``, numbers,
     strings, lists and dicts of tensors): :func:`get_checkpoint` loads with
     ``weights_only=True``.
+
+    In an elastic job (``launch(..., min_workers=)``) running below its size, call it on
+    every rank: once the checkpoint has landed, the ranks learn from rank 0 whether the job
+    stops here to grow (then it raises on every rank, and the job restarts from this
+    checkpoint with more ranks; see docs/elastic.md).
 
     Raises
     ------
@@ -272,18 +281,20 @@ def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | No
     settings = run.checkpointing or _Checkpointing(None)
     if settings.directory is None:
         raise CheckpointDirMissingError(ctx.rank)
-    if ctx.rank != 0:
-        return None
-    url, nbytes = _checkpoint.write(
-        state,
-        settings.directory,
-        step=step,
-        keep_last=settings.keep_last,
-        storage_options=settings.storage_options,
-    )
-    info = _checkpoint.CheckpointInfo(url, step, nbytes, ctx.rank, time.time())
-    if run.channel is not None:
-        run.channel.put(_events.CHECKPOINT, [url, step, nbytes, info.time], "save_checkpoint")
+    info = None
+    if ctx.rank == 0:
+        url, nbytes = _checkpoint.write(
+            state,
+            settings.directory,
+            step=step,
+            keep_last=settings.keep_last,
+            storage_options=settings.storage_options,
+        )
+        info = _checkpoint.CheckpointInfo(url, step, nbytes, ctx.rank, time.time())
+        if run.channel is not None:
+            run.channel.put(_events.CHECKPOINT, [url, step, nbytes, info.time], "save_checkpoint")
+    if settings.grow_timeout is not None:
+        _resize.at_checkpoint(run, ctx.rank, step, settings.grow_timeout)
     return info
 
 

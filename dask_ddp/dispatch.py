@@ -1,15 +1,13 @@
 """Start a function as one torch.distributed rank per Dask worker.
 
 :func:`launch` is the full API and returns a :class:`~dask_ddp.job.Job`; :func:`run` keeps
-dask-pytorch-ddp's signature and returns the rank futures. Both plan once on the client
-(:mod:`dask_ddp.placement`), probe the chosen workers (GPUs, busy ranks, and rank 0's
-store), then submit one impure task per rank, pinned to its worker and never retried
-elsewhere.
+dask-pytorch-ddp's signature and returns the rank futures. Both check their arguments here,
+then place the job with :mod:`dask_ddp._launcher` (a whole set of workers, probed and
+planned, one pinned task per rank) and hand it to its :mod:`dask_ddp.supervise`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import uuid
@@ -19,17 +17,18 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 from distributed import Client, Future
 
-from . import bootstrap, config, script
+from . import config, script
+from ._launcher import Launcher, job_size
 from .config import TimeoutLike
-from .errors import NotPicklableError, NoWorkersError, PlacementError
+from .errors import NotPicklableError
 from .job import Job, MetricRecord, OutputLine
-from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, select_workers
 from .supervise import Supervisor
 
 if TYPE_CHECKING:
-    from .data import _collection_plan as _collections
+    pass
 
 logger = logging.getLogger(__name__)
+
 
 __all__ = ["launch", "launch_script", "run"]
 
@@ -43,14 +42,6 @@ def _check_picklable(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, A
             raise NotPicklableError(what, f"{type(exc).__name__}: {exc}") from exc
 
 
-def _resolve_names(info: Mapping[str, Mapping[str, Any]], requested: Any) -> Any:
-    """Let ``workers=`` name workers by their Dask name as well as by address."""
-    if requested is None or isinstance(requested, (int, str)):
-        return requested
-    by_name = {str(w.get("name")): addr for addr, w in info.items()}
-    return [r if r in info else by_name.get(str(r), r) for r in requested]
-
-
 def launch(
     client: Client,
     fn: Callable[..., Any],
@@ -58,6 +49,7 @@ def launch(
     kwargs: Mapping[str, Any] | None = None,
     *,
     workers: int | Sequence[str] | None = None,
+    min_workers: int | None = None,
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
     pass_local_rank: bool = False,
@@ -87,8 +79,19 @@ def launch(
     kwargs : mapping, optional
         Keyword arguments for ``fn``.
     workers : int or list of str, optional
-        Every worker (default), the first N workers in rank order, or these worker
-        addresses (or Dask worker names).
+        Every worker (default), N workers, or these worker addresses (or Dask worker
+        names). The job takes its workers whole: while another job holds some of them it
+        waits (``job.state`` is ``"waiting"``) holding none, so concurrent jobs run one after
+        the other and never deadlock at the rendezvous.
+    min_workers : int, optional
+        With ``workers=N``: start as soon as ``min_workers`` workers are free and run
+        elastically between the two (see docs/elastic.md). A lost worker restarts the job
+        from its last checkpoint on the workers left (counted against ``max_restarts``),
+        while at least ``min_workers`` remain; workers that join grow it back at its next
+        checkpoint (not counted). Needs ``checkpoint_dir``. Default: ``workers``, a fixed
+        size. The cluster may have fewer than N workers; fewer than ``min_workers`` for
+        longer than ``ddp.scale-timeout`` fails the job with
+        :class:`~dask_ddp.errors.ScaleTimeoutError`.
     backend : {"gloo", "nccl", None}, optional
         torch.distributed backend; ``None`` reads ``ddp.backend`` (default: nccl when every
         worker sees a GPU, else gloo).
@@ -145,7 +148,8 @@ def launch(
     NoWorkersError
         The cluster has no workers.
     PlacementError
-        ``workers=`` asks for more workers than there are, or names unknown ones.
+        ``workers=`` asks for more workers than there are, or names unknown ones;
+        ``min_workers=`` is more than ``workers=``, or less without ``checkpoint_dir``.
     NotPicklableError
         ``fn`` or its arguments cannot be sent to the workers.
     BackendUnavailableError
@@ -157,9 +161,11 @@ def launch(
 
     Notes
     -----
-    A chosen worker that is running another job's rank runs this job's rank afterwards, as
-    Dask queues tasks. The ranks that started first wait up to ``ddp.rendezvous-timeout``
-    for the others, then the job fails with :class:`~dask_ddp.errors.RendezvousTimeoutError`.
+    Workers are claimed whole with Dask's own ``distributed.Semaphore`` and ``Lock``: a job
+    launched while others hold the workers it needs waits for them without holding any
+    (``launch`` returns at once; :meth:`Job.result` waits). A worker busy with a rank of a
+    job launched by an older dask-ddp (or another client's task) still queues this job's
+    rank, whose peers wait up to ``ddp.rendezvous-timeout``.
 
     Examples
     --------
@@ -177,6 +183,7 @@ def launch(
         args,
         kwargs,
         workers=workers,
+        min_workers=min_workers,
         backend=backend,
         timeout=timeout,
         pass_local_rank=pass_local_rank,
@@ -202,6 +209,7 @@ def _launch(
     timeout: TimeoutLike | None,
     pass_local_rank: bool,
     init_process_group: bool,
+    min_workers: int | None = None,
     on_report: Callable[[MetricRecord], Any] | None = None,
     on_output: Callable[[OutputLine], Any] | None = None,
     max_restarts: int = 0,
@@ -217,6 +225,7 @@ def _launch(
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be 0 or more; got {max_restarts!r}")
     job_id = uuid.uuid4().hex[:12]
+    size, requested = job_size(client, workers, min_workers, checkpoint_dir)
     data = None
     if datasets:
         # Imported here: the data modules (PIL, fsspec, dask.dataframe) cost every launch
@@ -224,8 +233,8 @@ def _launch(
         from .data import _collection_plan as _collections
 
         data = _collections._persist_datasets(client, datasets, job_id)
-    launcher = _Launcher(
-        client, fn, args, kwargs, settings, job_id,
+    launcher = Launcher(
+        client, fn, args, kwargs, settings, job_id, size, requested,
         pass_local_rank=pass_local_rank,
         init_process_group=init_process_group,
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
@@ -234,10 +243,12 @@ def _launch(
     )  # fmt: skip
     launcher.datasets = data
     try:
-        first = launcher.prepare(0, workers)
+        # Placed now when enough workers are free; otherwise the supervisor waits for them.
+        launcher.claims.watch()
+        first = launcher.place(0, wait=False)
         # The supervisor subscribes to the attempt's event topic before any rank is
-        # submitted. It releases the datasets' partitions when the job is done
-        # (succeeded, failed for good, or cancelled), restarts included.
+        # submitted. It releases the datasets' partitions and the workers when the job is
+        # done (succeeded, failed for good, or cancelled), restarts included.
         return Supervisor(
             client,
             job_id,
@@ -251,160 +262,10 @@ def _launch(
             datasets=data,
         ).start()
     except BaseException:
+        launcher.claims.close()
         if data is not None:
             data.release()
         raise
-
-
-@dataclasses.dataclass
-class _Attempt:
-    """One placement of a job: its run id (attempt 0 uses the job id), ranks and store."""
-
-    run_id: str
-    attempt: int
-    workers: list[str]
-    backend: str
-    store_worker: str
-    submit: Callable[[], list[Future]]
-    abandon: Callable[[], None]
-
-
-class _Launcher:
-    """Places a job on the cluster, for its first attempt and for every restart."""
-
-    def __init__(
-        self,
-        client: Client,
-        fn: Callable[..., Any],
-        args: tuple,
-        kwargs: dict[str, Any],
-        settings: config.Settings,
-        job_id: str,
-        **rank_options: Any,
-    ) -> None:
-        self.client, self.fn, self.args, self.kwargs = client, fn, args, kwargs
-        self.settings, self.job_id, self.rank_options = settings, job_id, rank_options
-        self.world_size = 0
-        self.datasets: _collections._Datasets | None = None
-
-    def relaunch(self, attempt: int) -> _Attempt:
-        """Place the job again on the workers there now, waiting for enough of them."""
-        timeout = self.settings.rendezvous_timeout
-        try:
-            self.client.wait_for_workers(self.world_size, timeout=timeout)
-        except TimeoutError as exc:
-            raise PlacementError(
-                f"job {self.job_id}: restart {attempt} needs {self.world_size} workers, but "
-                f"fewer were there after {timeout:g} s; scale the cluster or raise "
-                "ddp.rendezvous-timeout"
-            ) from exc
-        return self.prepare(attempt, self.world_size)
-
-    def prepare(self, attempt: int, workers: int | Sequence[str] | None) -> _Attempt:
-        client, settings = self.client, self.settings
-        run_id = self.job_id if attempt == 0 else f"{self.job_id}-{attempt}"
-        info = client.scheduler_info(n_workers=-1)["workers"]
-        if not info:
-            raise NoWorkersError(client.scheduler.address)
-        chosen = select_workers(
-            {addr: w["host"] for addr, w in info.items()}, _resolve_names(info, workers)
-        )
-        rank0 = order_workers([WorkerInfo(a, info[a]["host"]) for a in chosen])[0]
-        probes = client.run(
-            bootstrap.probe_worker, run_id, rank0.address, settings.rendezvous_timeout,
-            workers=chosen,
-        )  # fmt: skip
-
-        def abandon() -> None:
-            client.run(bootstrap.drop_store, run_id, workers=[rank0.address], on_error="ignore")
-
-        try:
-            for worker, probe in probes.items():
-                if probe["busy"]:
-                    logger.info(
-                        "job %s: worker %s is running %s; this job's rank waits for it "
-                        "(up to ddp.rendezvous-timeout for the other ranks)",
-                        run_id, worker, probe["busy"],
-                    )  # fmt: skip
-            infos = [
-                WorkerInfo(
-                    address=a,
-                    host=info[a]["host"],
-                    gpu_count=settings.gpu_count
-                    if settings.gpu_count is not None
-                    else probes[a]["gpu_count"],
-                    cuda_visible_devices=probes[a]["cuda_visible_devices"],
-                )
-                for a in chosen
-            ]
-            backend, why = choose_backend(settings.backend, infos)
-            plan = plan_ranks(infos)
-            # Each attempt splits the data again, for where its ranks and the partitions
-            # are now (a restart may run on other workers, after partitions were recomputed).
-            shares = (
-                self.datasets.plan([p.worker for p in plan])
-                if self.datasets is not None
-                else [None] * len(plan)
-            )
-        except BaseException:
-            abandon()
-            raise
-        port = probes[rank0.address]["store_port"]
-        self.world_size = len(plan)
-        logger.info(
-            "job %s: attempt %d, %d ranks on %d hosts, backend %s (%s), rendezvous at %s:%d",
-            self.job_id, attempt, len(plan), plan[-1].node_rank + 1, backend, why, rank0.host,
-            port,
-        )  # fmt: skip
-        specs = [
-            bootstrap.RankSpec(
-                job_id=run_id,
-                key=f"dask-ddp-{run_id}-rank-{placement.rank}",
-                attempt=attempt,
-                backend=backend,
-                timeout=settings.timeout,
-                rendezvous_timeout=settings.rendezvous_timeout,
-                master_addr=rank0.host,
-                master_port=port,
-                threads_per_rank=settings.threads_per_rank,
-                allow_daemon_children=settings.allow_daemon_children,
-                tune_malloc=settings.tune_malloc,
-                placement=placement,
-                event_flush_interval=settings.event_flush_interval,
-                max_event_bytes=settings.max_event_bytes,
-                datasets=shares[placement.rank],
-                **self.rank_options,
-            )
-            for placement in plan
-        ]
-
-        def submit() -> list[Future]:
-            futures: list[Future] = []
-            try:
-                for spec in specs:
-                    futures.append(
-                        client.submit(
-                            bootstrap.run_rank,
-                            self.fn,
-                            self.args,
-                            self.kwargs,
-                            spec,
-                            key=spec.key,
-                            workers=[spec.placement.worker],
-                            allow_other_workers=False,
-                            pure=False,
-                            retries=0,
-                        )
-                    )
-            except BaseException:
-                client.cancel(futures)
-                abandon()
-                raise
-            return futures
-
-        return _Attempt(
-            run_id, attempt, [p.worker for p in plan], backend, rank0.address, submit, abandon
-        )
 
 
 def launch_script(
@@ -469,4 +330,4 @@ def run(
     >>> wait(futures); [f.result() for f in futures]        # doctest: +SKIP
     """
     job = launch(client, fn, args, kwargs, backend=backend, pass_local_rank=pass_local_rank)
-    return job.futures
+    return job.futures  # waits while other jobs hold its workers

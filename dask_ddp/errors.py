@@ -24,6 +24,8 @@ __all__ = [
     "RankFailedError",
     "RankStoppedError",
     "RendezvousTimeoutError",
+    "ResizeStopError",
+    "ScaleTimeoutError",
     "UnsafeResultPathError",
     "WorkerBusyError",
     "WorkerLostError",
@@ -281,6 +283,57 @@ class RankStoppedError(DaskDDPError):
 
 #: A rank stopped because another rank failed first (the name of that case).
 PeerFailedError = RankStoppedError
+
+
+class ResizeStopError(RankStoppedError):
+    """Raised by every rank of an elastic job that stops at a checkpoint to grow.
+
+    The job then restarts from that checkpoint with more ranks; this is not a failure and
+    does not count against ``max_restarts``. Only the futures of the attempt that stopped
+    raise it; :meth:`Job.result() <dask_ddp.Job.result>` returns the last attempt's results.
+
+    Examples
+    --------
+    >>> print(ResizeStopError(1, 40))  # doctest: +ELLIPSIS
+    rank 1 stopped at its checkpoint of step 40: the job restarts there with more ranks ...
+    """
+
+    def __init__(self, rank: int, step: int) -> None:
+        super().__init__(rank, f"stopped at the checkpoint of step {step} to grow")
+        self.args = (rank, step)
+        self.step = step
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} stopped at its checkpoint of step {self.step}: the job restarts "
+            "there with more ranks (workers joined the cluster); nothing failed"
+        )
+
+
+class ScaleTimeoutError(DaskDDPError, TimeoutError):
+    """A job waited longer than ``ddp.scale-timeout`` for the workers it needs.
+
+    Examples
+    --------
+    >>> print(ScaleTimeoutError("3f2a", 2, 1, 300.0))  # doctest: +ELLIPSIS
+    job 3f2a needs at least 2 workers, but the cluster had only 1 for 300 s. ...
+    """
+
+    def __init__(self, job: str, needed: int, had: int, waited: float) -> None:
+        super().__init__(job, needed, had, waited)
+        self.job, self.needed, self.had, self.waited = job, needed, had, waited
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, int, float]]:
+        # OSError (TimeoutError's base) would keep only two of the four arguments.
+        return type(self), (self.job, self.needed, self.had, self.waited)
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.job} needs at least {self.needed} workers, but the cluster had only "
+            f"{self.had} for {self.waited:.0f} s. Scale the cluster (cluster.scale("
+            f"{self.needed}) or cluster.adapt(minimum={self.needed})), launch with a smaller "
+            "min_workers=, or raise ddp.scale-timeout."
+        )
 
 
 class RetryableError(DaskDDPError):

@@ -21,13 +21,13 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 from distributed import Client, Future
 
 from . import checkpoint, view
-from ._model import JobModel, JobState, MetricRecord, OutputLine
+from ._model import AttemptInfo, JobModel, JobState, MetricRecord, OutputLine
 from .errors import JobNotFoundError
 
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["Job", "JobState", "MetricRecord", "OutputLine"]
+__all__ = ["AttemptInfo", "Job", "JobState", "MetricRecord", "OutputLine"]
 
 # Rank task key -> its job. Weak: a job lives as long as the user holds it or one of its
 # rank futures (each future refers to its job, see _register), so that
@@ -69,14 +69,6 @@ class Job:
     ----------
     job_id : str
         Identifier; rank task keys are ``dask-ddp-<job_id>-rank-<rank>``.
-    futures : list of distributed.Future
-        One per rank, in rank order. Each resolves to the rank's return value.
-    workers : list of str
-        The worker address of each rank, in rank order.
-    backend : str
-        The torch.distributed backend in use.
-    topic : str
-        The Dask event topic the job's ranks report on (``dask-ddp-<job_id>``).
 
     Examples
     --------
@@ -98,7 +90,10 @@ class Job:
 
     @property
     def futures(self) -> list[Future]:
-        """The current attempt's rank futures, in rank order."""
+        """The current attempt's rank futures, in rank order. A job waiting for workers has
+        none yet: this waits until it is placed (:meth:`wait_placed` takes a timeout), and is
+        empty if it ended first (cancelled, :class:`~dask_ddp.ScaleTimeoutError`)."""
+        self.wait_placed()
         return list(self._model.futures)
 
     @property
@@ -187,8 +182,27 @@ class Job:
 
     @property
     def attempts(self) -> int:
-        """How many times the job was placed: 1, plus one per restart."""
+        """How many times the job was placed: 1, plus one per restart or resize."""
         return self._model.attempt + 1
+
+    @property
+    def history(self) -> list[AttemptInfo]:
+        """Each placement so far, first to last: an :class:`~dask_ddp.AttemptInfo` (ranks, why,
+        seconds to its first step). An elastic job has one per size it ran at.
+
+        >>> [(a.world_size, a.reason[:22]) for a in job.history]  # doctest: +SKIP
+        [(3, 'started'), (2, 'rank 2 was lost: its w')]
+        """
+        with self._model.cond:
+            return list(self._model.history)
+
+    def wait_placed(self, timeout: float | None = None) -> bool:
+        """Block until the ranks are submitted (:attr:`futures` is filled) or the job is
+        done; False if ``timeout`` seconds passed first. A job waits for workers that other
+        jobs hold."""
+        model = self._model
+        with model.cond:
+            return model.cond.wait_for(lambda: model.futures or model.done.is_set(), timeout)
 
     @property
     def metrics(self) -> list[MetricRecord]:
@@ -278,16 +292,7 @@ class Job:
         >>> job.watch()                           # doctest: +SKIP
         job 3f2a9c: 1200 records [00:12, 98.1 records/s, r0 step 599 loss 0.31 | r1 ...]
         """
-        from tqdm.auto import tqdm
-
-        with tqdm(desc=f"job {self.job_id}", unit=" records", file=file) as bar:
-            shown, line = 0, ""
-            for count, line in self._model.progress_lines():
-                bar.set_postfix_str(line, refresh=False)
-                bar.update(count - shown)
-                shown = count
-            self._model.done.wait()  # set right after the channel closes
-            bar.set_postfix_str(f"{self.state.value}; {line}")
+        view.watch_progress(self._model, file)
 
     def view_state(
         self,
@@ -297,10 +302,11 @@ class Job:
         """The state the live view draws, as a dict; optionally once ``until(state)`` holds.
 
         The dict has the job's ``job`` id, ``state``, ``backend``, ``elapsed`` seconds,
-        ``records`` count, curve ``metric``, ``error``, ``notes``, the latest ``output``
-        lines, and ``ranks``: per rank its ``rank``, ``worker``, ``status`` (its phase:
-        submitted, queued, joining, running, or its future's status), ``activity``,
-        ``count``, ``step``, ``last`` metrics, ``rate``, ``error`` and ``curve``.
+        ``records`` count, curve ``metric``, ``error``, ``notes``, ``waiting`` (why it waits
+        for workers, or None), the latest ``output`` lines, and ``ranks``: per rank its
+        ``rank``, ``worker``, ``status`` (its phase: submitted, queued, joining, running, or
+        its future's status), ``activity``, ``count``, ``step``, ``last`` metrics, ``rate``,
+        ``error`` and ``curve``.
 
         Parameters
         ----------

@@ -103,6 +103,8 @@ def _errors_html(snap: dict[str, Any]) -> str:
             f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(snap['error'])}</pre>"
         )
     parts += [f"<div style='color:#a60'>{html.escape(n)}</div>" for n in snap["notes"]]
+    if snap.get("waiting"):
+        parts.append(f"<div style='color:#a60'>{html.escape(snap['waiting'])}</div>")
     return "".join(parts)
 
 
@@ -211,4 +213,23 @@ def progress_line(snap: dict[str, Any]) -> str:
         where = f" step {rank['step']}" if rank["step"] is not None else f" {rank['count']} rec"
         shown = ", ".join(f"{k} {fmt(v)}" for k, v in list(rank["last"].items())[:2])
         parts.append(f"r{r}{where}" + (f" {shown}" if shown else "") + busy)
+    if snap.get("waiting"):
+        parts.append(snap["waiting"])
     return " | ".join(parts)
+
+
+def watch_progress(model: Any, file: Any = None) -> None:
+    """Draw a job's progress line with tqdm until the job is done (``Job.watch``).
+
+    ``model`` is the job's :class:`~dask_ddp._model.JobModel`.
+    """
+    from tqdm.auto import tqdm
+
+    with tqdm(desc=f"job {model.job_id}", unit=" records", file=file) as bar:
+        shown, line = 0, ""
+        for count, line in model.progress_lines():
+            bar.set_postfix_str(line, refresh=False)
+            bar.update(count - shown)
+            shown = count
+        model.done.wait()  # set right after the channel closes
+        bar.set_postfix_str(f"{model.state.value}; {line}")

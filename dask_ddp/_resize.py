@@ -1,0 +1,46 @@
+"""Rank side of growing an elastic job: every rank stops at the same checkpoint.
+
+When workers join a job that runs with fewer ranks than it may use, the client claims
+them and asks the job's rank 0 (through its worker's slot) to grow. At the next
+:func:`dask_ddp.save_checkpoint`, once the checkpoint has landed, rank 0 writes the
+decision for that step into the job's store and every rank reads it there, so all of them
+stop after the same step (or none does); the client then restarts the job from that
+checkpoint with more ranks. Jobs that cannot grow never pay for this.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from ._slot import PROCESS, RankRun
+
+_GROW, _GO = b"grow", b"go"
+
+
+class GrowAtCheckpoint(BaseException):
+    """Unwinds the user's function after the checkpoint of ``step``.
+
+    A BaseException, so that ``except Exception`` in training code lets it through; the rank
+    task turns it into :class:`~dask_ddp.errors.ResizeStopError`.
+    """
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
+    """After the checkpoint of ``step``: stop here if the job grows (every rank alike).
+
+    Rank 0 takes the client's request and writes the decision; the others wait for it
+    (at most ``timeout`` seconds: rank 0 may still be writing a large checkpoint).
+    """
+    key = f"dask-ddp/grow-at-{step}"
+    if rank == 0:
+        grow = PROCESS.take_grow_request(run.job_id)
+        run.store.set(key, _GROW if grow else _GO)
+    else:
+        run.store.wait([key], timedelta(seconds=timeout))
+        grow = run.store.get(key) == _GROW
+    if grow:
+        raise GrowAtCheckpoint(step)
