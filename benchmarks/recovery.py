@@ -110,7 +110,7 @@ def bench_elastic(steps: int) -> tuple[float, float, list[int]]:
         Client(cluster) as client,
     ):
         dask_ddp.launch(client, time.time).result()  # warm: workers import torch
-        client.subscribe_topic(
+        client.subscribe_topic(  # when the replacement joins, by the scheduler's clock
             "all",
             lambda ev: joined.append(ev[0]) if ev[1].get("action") == "add-worker" else None,
         )

@@ -52,6 +52,15 @@ def drop_topic(topic: str, client_id: str, dask_scheduler: Any = None) -> bool:
     return True
 
 
+def topic_handler(client: Any, topic: str) -> Callable[[Any], Any] | None:
+    """The handler ``client.subscribe_topic(topic, ...)`` set, if any: the client keeps one
+    per topic, so a second subscription would silently replace the user's.
+
+    Private: ``Client._event_handlers`` is that table.
+    """
+    return client._event_handlers.get(topic)
+
+
 # --- used by dask_ddp.data ---
 
 

@@ -77,13 +77,17 @@ class _Router:
         self._client = weakref.ref(client)
         self._lock = threading.Lock()
         self._listeners: dict[str, dict[int, Handler]] = {}
+        self._theirs: dict[str, Handler] = {}  # handlers the user subscribed before us
         self._next = 0
 
     def _dispatch(self, topic: str, event: Any) -> None:
         with self._lock:
             handlers = list(self._listeners.get(topic, {}).values())
+            theirs = self._theirs.get(topic)
         for handler in handlers:
             handler(event)
+        if theirs is not None:
+            theirs(event)
 
     def add(self, topic: str, handler: Handler) -> int:
         client = self._client()
@@ -94,6 +98,12 @@ class _Router:
             first = topic not in self._listeners
             self._listeners.setdefault(topic, {})[token] = handler
         if first:
+            # The client keeps one handler per topic: keep calling one the user set (the
+            # scheduler's "all" topic, say), and give it back when we are done.
+            theirs = _dask_internals.topic_handler(client, topic)
+            if theirs is not None:
+                with self._lock:
+                    self._theirs[topic] = theirs
             client.subscribe_topic(topic, lambda event, t=topic: self._dispatch(t, event))
         return token
 
@@ -104,9 +114,13 @@ class _Router:
             last = not listeners
             if last:
                 self._listeners.pop(topic, None)
+            theirs = self._theirs.pop(topic, None) if last else None
         client = self._client()
         if last and client is not None and client.status == "running":
-            client.unsubscribe_topic(topic)
+            if theirs is not None:
+                client.subscribe_topic(topic, theirs)
+            else:
+                client.unsubscribe_topic(topic)
 
 
 _routers: weakref.WeakKeyDictionary[Client, _Router] = weakref.WeakKeyDictionary()

@@ -11,6 +11,7 @@ import time
 
 import distributed
 from distributed import Client
+from distributed.utils_test import poll_for
 
 from dask_ddp import _dask_internals, events
 
@@ -125,3 +126,21 @@ def test_task_states_and_desire_keys(client: Client, cluster: distributed.LocalC
         future = distributed.Future(held.key, other)
         assert future.result(timeout=30) == 41
         future.release()
+
+
+def test_our_subscription_keeps_the_users_handler_on_the_same_topic(client: Client) -> None:
+    seen: list[str] = []
+    client.subscribe_topic("users-topic", lambda ev: seen.append(f"user {ev[1]}"))
+    assert _dask_internals.topic_handler(client, "users-topic") is not None
+    stop = events.subscribe(client, "users-topic", lambda ev: seen.append(f"ours {ev[1]}"))
+
+    def seen_after_logging(*expected: str) -> bool:
+        # Client.log_event travels apart from the subscription: log until it got there.
+        client.log_event("users-topic", expected[0].split()[1])
+        return set(expected) <= set(seen)
+
+    poll_for(lambda: seen_after_logging("ours a", "user a"), timeout=10)
+    stop()
+    poll_for(lambda: seen_after_logging("user b"), timeout=10)
+    assert "ours b" not in seen
+    client.unsubscribe_topic("users-topic")
