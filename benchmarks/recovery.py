@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import signal
@@ -27,6 +28,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -55,6 +58,7 @@ def train(ckpt_every: int, steps: int, marker_dir: str, step_seconds: float = 0.
         opt.step()
         if first_step_at is None:
             first_step_at = time.time()
+            dask_ddp.report({"step_seconds": step_seconds}, step=step)  # Job.history's first step
         if step % ckpt_every == 0:
             dask_ddp.save_checkpoint(
                 {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
@@ -68,7 +72,9 @@ def train(ckpt_every: int, steps: int, marker_dir: str, step_seconds: float = 0.
     return {"attempt": ctx.attempt, "first_step_at": first_step_at, "start": start}
 
 
-def bench_recovery(steps: int) -> tuple[float, int]:
+@contextlib.contextmanager
+def _warm_cluster(n_workers: int) -> Iterator[tuple[str, Any]]:
+    """A temporary directory and the client of a LocalCluster whose workers imported torch."""
     from distributed import Client, LocalCluster
 
     import dask_ddp
@@ -76,11 +82,18 @@ def bench_recovery(steps: int) -> tuple[float, int]:
     with (
         tempfile.TemporaryDirectory() as tmp,
         LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,
     ):
         dask_ddp.launch(client, time.time).result()  # warm: workers import torch
+        yield tmp, client
+
+
+def bench_recovery(steps: int) -> tuple[float, int]:
+    import dask_ddp
+
+    with _warm_cluster(2) as (tmp, client):
         job = dask_ddp.launch(
             client, train, args=(5, steps, tmp), max_restarts=1,
             checkpoint_dir=os.path.join(tmp, "ckpt"),
@@ -97,19 +110,10 @@ def bench_elastic(steps: int) -> tuple[float, float, list[int]]:
     job goes on with 2 from its checkpoint at once; the nanny's replacement joins and the
     job grows back to 3 at its next checkpoint. Returns (kill -> first step at 2 ranks,
     worker joined -> first step at 3 ranks, the sizes it ran at)."""
-    from distributed import Client, LocalCluster
-
     import dask_ddp
 
     joined: list[float] = []
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        dask_ddp.launch(client, time.time).result()  # warm: workers import torch
+    with _warm_cluster(3) as (tmp, client):
         client.subscribe_topic(  # when the replacement joins, by the scheduler's clock
             "all",
             lambda ev: joined.append(ev[0]) if ev[1].get("action") == "add-worker" else None,

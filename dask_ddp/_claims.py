@@ -15,10 +15,11 @@ back) or by the scheduler on its ``"all"`` topic (a worker joined or left).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from distributed import Client, Lock, Semaphore
@@ -75,17 +76,6 @@ class WorkerClaims:
             self._semaphores[address] = sem
         return sem
 
-    @contextlib.contextmanager
-    def _placing(self) -> Iterator[None]:
-        """The cluster-wide lock, held only for one round of non-blocking acquires."""
-        if self._lock is None:
-            self._lock = Lock(_LOCK, scheduler_rpc=self.client.scheduler, loop=self.client.loop)
-        self._lock.acquire()
-        try:
-            yield
-        finally:
-            self._lock.release()
-
     def take(self, candidates: Sequence[str], *, want: int, need: int) -> bool:
         """Claim free workers among ``candidates`` (in their order) until ``want`` are held.
 
@@ -93,21 +83,33 @@ class WorkerClaims:
         back the ones just taken and returns False. Never waits for a worker.
         """
         self._changed.clear()  # a change from now on is worth another look
-        with self._placing():
-            new: list[str] = []
-            for address in candidates:
-                if len(self._held) + len(new) >= want:
-                    break
-                if address not in self._held and self._semaphore(address).acquire(timeout=0):
-                    new.append(address)
-            if len(self._held) + len(new) < need:
-                for address in new:
-                    self._semaphores[address].release()
-                return False
+        new = self.client.sync(self._take, list(candidates), want, need)
+        if new is None:
+            return False
         self._held += new
         if new:
             logger.debug("job %s: claimed %s", self.job_id, new)
         return True
+
+    async def _take(self, candidates: list[str], want: int, need: int) -> list[str] | None:
+        # On the client's event loop: the acquires of a round go out together.
+        if self._lock is None:
+            self._lock = Lock(_LOCK, scheduler_rpc=self.client.scheduler, loop=self.client.loop)
+        await self._lock.acquire()  # held for this round of non-blocking acquires only
+        try:
+            new: list[str] = []
+            free = [a for a in candidates if a not in self._held]
+            while free and len(self._held) + len(new) < want:
+                count = want - len(self._held) - len(new)
+                batch, free = free[:count], free[count:]
+                got = await asyncio.gather(*(self._semaphore(a).acquire(timeout=0) for a in batch))
+                new += [a for a, ok in zip(batch, got, strict=True) if ok]
+            if len(self._held) + len(new) < need:
+                await asyncio.gather(*(self._semaphores[a].release() for a in new))
+                return None
+            return new
+        finally:
+            await self._lock.release()
 
     def release(self, addresses: Sequence[str] | None = None) -> None:
         """Give back ``addresses`` (default: every held worker) and say so to waiting jobs."""
@@ -117,13 +119,18 @@ class WorkerClaims:
             return
         for address in gone:
             self._held.remove(address)
-            try:
-                self._semaphores[address].release()
-            except Exception:  # the scheduler drops the lease after its timeout anyway
-                logger.debug("job %s: not released: %s", self.job_id, address, exc_info=True)
         if gone:
-            with contextlib.suppress(Exception):  # the client is closing: nobody to tell
-                self.client.log_event(TOPIC, {"action": "released", "workers": gone})
+            self.client.sync(self._release, gone)
+
+    async def _release(self, gone: list[str]) -> None:
+        done = await asyncio.gather(
+            *(self._semaphores[a].release() for a in gone), return_exceptions=True
+        )
+        for address, outcome in zip(gone, done, strict=True):
+            if isinstance(outcome, BaseException):  # the lease times out on the scheduler
+                logger.debug("job %s: not released: %s (%s)", self.job_id, address, outcome)
+        with contextlib.suppress(Exception):  # the client is closing: nobody to tell
+            await self.client.log_event(TOPIC, {"action": "released", "workers": gone})
 
     def watch(self) -> None:
         """Follow the changes that may free or add workers (see :meth:`wait_for_change`

@@ -152,7 +152,7 @@ class Launcher:
             self.claims.release([w for w in self.claims.held if w not in info])
             candidates = self._candidates(info, attempt)
             if self.claims.take(candidates, want=size.max_workers, need=size.min_workers):
-                return self.prepare(attempt, self.claims.held)
+                return self.prepare(attempt, self.claims.held, info)
             if not wait:
                 return None
             now = time.monotonic()
@@ -204,10 +204,13 @@ class Launcher:
         )  # fmt: skip
         return True
 
-    def prepare(self, attempt: int, workers: Sequence[str]) -> Attempt:
+    def prepare(
+        self, attempt: int, workers: Sequence[str], info: Mapping[str, Mapping[str, Any]]
+    ) -> Attempt:
+        """Probe ``workers`` (in ``info``, the scheduler's worker table), plan the ranks on
+        them and build their tasks, ready to submit."""
         client, settings = self.client, self.settings
         run_id = self.job_id if attempt == 0 else f"{self.job_id}-{attempt}"
-        info = client.scheduler_info(n_workers=-1)["workers"]
         if not info:
             raise NoWorkersError(client.scheduler.address)
         chosen = select_workers(
