@@ -262,7 +262,7 @@ class JobModel:
         if len(self.history) > 1 and self.history[-2].world_size != info.world_size:
             text = (
                 f"resized from {self.history[-2].world_size} to {info.world_size} ranks "
-                f"({info.reason}); first step {when - info.started:.1f} s after"
+                f"({info.reason}); training again {when - info.started:.1f} s after it stopped"
             )
             logger.info("job %s: %s", self.job_id, text)
             self.notes.append(text)
