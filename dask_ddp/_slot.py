@@ -12,6 +12,7 @@ datasets).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from .events import RankChannel
 
 __all__ = ["PROCESS", "ProcessSlot", "RankRun"]
+
+_STOPPED_KEPT = 64  # jobs remembered as stopped before their rank started
 
 
 @dataclasses.dataclass
@@ -103,6 +106,11 @@ class ProcessSlot:
         self.run: RankRun | None = None
         self._stores: dict[str, Any] = {}
         self._grow_requests: set[str] = set()
+        # Jobs stopped before their rank here started (the task was on its way): job id ->
+        # (reason, failed rank). The newest few only: a rank starts within seconds or never.
+        self._stopped: collections.OrderedDict[str, tuple[str, int | None]] = (
+            collections.OrderedDict()
+        )
 
     def current(self) -> RankRun | None:
         """The rank running in this process, if any (None in a process forked from it
@@ -153,6 +161,19 @@ class ProcessSlot:
         """Hand over (and forget) the store of ``job_id``; None if there is none."""
         with self.lock:
             return self._stores.pop(job_id, None)
+
+    def stop_before_start(self, job_id: str, reason: str, failed_rank: int | None) -> None:
+        """Remember that ``job_id`` was stopped while no rank of it ran here: a rank of it
+        that starts afterwards stops at once (see :meth:`stopped_before_start`).
+        Call with :attr:`lock` held."""
+        self._stopped[job_id] = (reason, failed_rank)
+        while len(self._stopped) > _STOPPED_KEPT:
+            self._stopped.popitem(last=False)
+
+    def stopped_before_start(self, job_id: str) -> tuple[str, int | None] | None:
+        """Why ``job_id`` was stopped before its rank started here, if it was."""
+        with self.lock:
+            return self._stopped.get(job_id)
 
     def request_grow(self, job_id: str) -> None:
         """Note that the client has workers for ``job_id`` to grow onto (on its rank 0's

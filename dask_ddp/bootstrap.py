@@ -135,7 +135,12 @@ def abort_rank(
     """
     with PROCESS.lock:
         active = PROCESS.current()
-        if active is None or active.job_id != job_id or not active.running:
+        if active is None or active.job_id != job_id:
+            # Its rank may be on its way (the task started, the rank not yet): it will stop
+            # as soon as it does, instead of running after its job was stopped.
+            PROCESS.stop_before_start(job_id, reason, failed_rank)
+            return False
+        if not active.running:
             return False
         active.abort_reason, active.abort_failed_rank = reason, failed_rank
         _process.sever(active.links)
@@ -163,6 +168,12 @@ def _claim_slot(spec: RankSpec, run: RankRun) -> Iterator[RankRun]:
         holder = PROCESS.current()
         raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
     try:
+        stopped = PROCESS.stopped_before_start(spec.job_id)
+        if stopped is not None:  # the client stopped the job while this task was starting
+            reason, failed_rank = stopped
+            raise RankStoppedError(
+                spec.placement.rank, reason, job=spec.job_id, failed_rank=failed_rank
+            )
         yield run
     finally:
         _release_process_group()  # again here: an abort may have cut run_rank's cleanup short

@@ -72,9 +72,22 @@ def job_topic(job_id: str) -> str:
 
 
 # -- client: fan-out of Client.subscribe_topic -------------------------------------------
+class _Dispatch:
+    """The one handler a client keeps for a topic we follow: calls every listener."""
+
+    def __init__(self, router: _Router, topic: str) -> None:
+        self.router, self.topic = router, topic
+
+    def __call__(self, event: Any) -> None:
+        self.router._dispatch(self.topic, event)
+
+
 class _Router:
     def __init__(self, client: Client) -> None:
         self._client = weakref.ref(client)
+        # Guards the listeners and the client's handler table for our topics: a job that
+        # ends (on its supervisor's thread) and one that starts (on the caller's) may
+        # leave and follow the same topic at once.
         self._lock = threading.Lock()
         self._listeners: dict[str, dict[int, Handler]] = {}
         self._theirs: dict[str, Handler] = {}  # handlers the user subscribed before us
@@ -97,30 +110,28 @@ class _Router:
             token, self._next = self._next, self._next + 1
             first = topic not in self._listeners
             self._listeners.setdefault(topic, {})[token] = handler
-        if first:
-            # The client keeps one handler per topic: keep calling one the user set (the
-            # scheduler's "all" topic, say), and give it back when we are done.
-            theirs = _dask_internals.topic_handler(client, topic)
-            if theirs is not None:
-                with self._lock:
+            if first:
+                # The client keeps one handler per topic: keep calling one the user set
+                # (on the scheduler's "all" topic, say), and give it back when we are done.
+                theirs = _dask_internals.topic_handler(client, topic)
+                if theirs is not None and not isinstance(theirs, _Dispatch):
                     self._theirs[topic] = theirs
-            client.subscribe_topic(topic, lambda event, t=topic: self._dispatch(t, event))
+                client.subscribe_topic(topic, _Dispatch(self, topic))
         return token
 
     def remove(self, topic: str, token: int) -> None:
+        client = self._client()
         with self._lock:
             listeners = self._listeners.get(topic, {})
-            listeners.pop(token, None)
-            last = not listeners
-            if last:
-                self._listeners.pop(topic, None)
-            theirs = self._theirs.pop(topic, None) if last else None
-        client = self._client()
-        if last and client is not None and client.status == "running":
-            if theirs is not None:
-                client.subscribe_topic(topic, theirs)
-            else:
-                client.unsubscribe_topic(topic)
+            if listeners.pop(token, None) is None or listeners:
+                return  # removed before, or others still follow the topic
+            del self._listeners[topic]
+            theirs = self._theirs.pop(topic, None)
+            if client is not None and client.status == "running":
+                if theirs is not None:
+                    client.subscribe_topic(topic, theirs)
+                else:
+                    client.unsubscribe_topic(topic)
 
 
 _routers: weakref.WeakKeyDictionary[Client, _Router] = weakref.WeakKeyDictionary()

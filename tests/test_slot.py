@@ -102,3 +102,27 @@ def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None
             dask_ddp.report({"loss": 1.0})
     finally:
         PROCESS.release(run)
+
+
+def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> None:
+    from dask_ddp import bootstrap
+    from dask_ddp.placement import RankPlacement
+
+    # The client stops a job whose task the worker has started but whose rank has not
+    # claimed the slot yet: nothing to abort now, so the stop is remembered.
+    assert bootstrap.abort_rank("late-job", "cancelled by the user") is False
+    assert PROCESS.stopped_before_start("late-job") == ("cancelled by the user", None)
+    placement = RankPlacement(0, 0, 1, 0, 1, "tcp://w:1", "w", False, None)
+    spec = bootstrap.RankSpec(
+        job_id="late-job", key="dask-ddp-late-job-rank-0", attempt=0, backend="gloo",
+        timeout=60, rendezvous_timeout=5, master_addr="w", master_port=1,
+        threads_per_rank=None, allow_daemon_children=True, pass_local_rank=False,
+        placement=placement,
+    )  # fmt: skip
+    ran = []
+    with (
+        pytest.raises(dask_ddp.RankStoppedError, match="cancelled by the user"),
+        bootstrap._claim_slot(spec, _run("late-job")),
+    ):
+        ran.append(True)
+    assert ran == [] and PROCESS.current() is None  # never ran, and the slot is free again
