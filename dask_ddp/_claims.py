@@ -24,7 +24,7 @@ from typing import Any
 
 from distributed import Client, Lock, Semaphore
 
-from . import events
+from . import _topics
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class WorkerClaims:
 
         if not self._unsubscribe:
             for topic in ("all", TOPIC):
-                self._unsubscribe.append(events.subscribe(self.client, topic, handle))
+                self._unsubscribe.append(_topics.follow(self.client, topic, handle))
 
     def wait_for_change(self, timeout: float) -> bool:
         """Wait until a worker joined or left, or a job gave workers back since the last

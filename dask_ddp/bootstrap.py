@@ -192,6 +192,10 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
         "GROUP_RANK": str(p.node_rank),
         "NODE_RANK": str(p.node_rank),
         "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+        # As torchrun sets it (constant across restarts): torch.distributed's
+        # is_torchelastic_launched() is then true, and Lightning takes its TorchElastic
+        # environment, which reads the variables above.
+        "TORCHELASTIC_RUN_ID": spec.job_id.split("-", 1)[0],
     }
     if p.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
