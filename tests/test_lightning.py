@@ -62,3 +62,58 @@ def test_lightning_chooses_its_torchelastic_environment(client: Client) -> None:
     assert [o["environment"] for o in out] == ["TorchElasticEnvironment"] * 2
     assert [(o["global_rank"], o["world_size"]) for o in out] == [(0, 2), (1, 2)]
     torch.testing.assert_close(out[0]["weight"], out[1]["weight"])  # trained as one model
+
+
+LIGHTNING_SCRIPT = """
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from dask_ddp.integrations.lightning import DaskDDPLogger  # the one line added
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=6, log_every_n_steps=2,
+        logger=DaskDDPLogger(),  # and here
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+"""
+
+
+@pytest.mark.slow
+def test_a_lightning_script_logs_into_job_metrics(client: Client, tmp_path) -> None:
+    path = tmp_path / "train_lightning.py"
+    path.write_text(LIGHTNING_SCRIPT)
+    job = dask_ddp.launch_script(client, path)
+    assert job.result(timeout=240) == [0, 0]
+    logged = [r for r in job.metrics if "train_loss" in r.metrics]
+    assert {r.rank for r in logged} == {0, 1}  # every rank's, not only rank 0's
+    assert sorted({r.step for r in logged if r.rank == 0}) == [1, 3, 5]  # every 2nd step
+
+
+def test_the_logger_outside_a_rank_sends_nothing_and_says_so_once(caplog) -> None:
+    from dask_ddp.integrations.lightning import DaskDDPLogger
+
+    log = DaskDDPLogger(prefix="train/")
+    assert (log.name, log.version) == ("dask_ddp", "local")
+    log.log_metrics({"loss": torch.tensor(0.5), "note": "text"}, step=1)
+    log.log_metrics({"loss": 0.4}, step=2)
+    assert caplog.text.count("outside a dask_ddp rank") == 1
