@@ -2,6 +2,9 @@
 
 - :mod:`dask_ddp.integrations.lightning`: :class:`~dask_ddp.integrations.lightning.DaskDDPLogger`,
   a PyTorch Lightning logger that sends what ``self.log(...)`` logs to :func:`dask_ddp.report`.
+- :mod:`dask_ddp.integrations.accelerate`:
+  :class:`~dask_ddp.integrations.accelerate.DaskDDPTracker`, an HF accelerate tracker that
+  sends what ``accelerator.log(...)`` logs.
 
 Each module imports its library when it is imported, never before: ``import dask_ddp``
 needs none of them.

@@ -14,7 +14,6 @@ Examples
 from __future__ import annotations
 
 import logging
-import numbers
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 
 from ..errors import NotInRankError
+from ._values import numeric_values
 
 __all__ = ["DaskDDPLogger"]
 
@@ -71,12 +71,7 @@ class DaskDDPLogger(Logger):
         """Send the numeric metrics (tensors of one element, numbers) as one record."""
         from .. import report
 
-        values = {}
-        for name, value in metrics.items():
-            if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
-                value = value.item()
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                values[f"{self._prefix}{name}"] = float(value)
+        values = numeric_values(metrics, self._prefix)
         if not values:
             return
         try:
