@@ -9,6 +9,7 @@ static HTML display in place where ipywidgets is missing.
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,42 +22,86 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+_SMOOTHING = 0.6  # the weight TensorBoard's smoothing slider starts at
+_LOG_SPAN = 100.0  # a metric spanning more than two decades is drawn on a log axis
+
+
+def _smoothed(ys: list[float]) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased at the start."""
+    out, last = [], 0.0
+    for n, y in enumerate(ys, start=1):
+        last = last * _SMOOTHING + (1 - _SMOOTHING) * y
+        out.append(last / (1 - _SMOOTHING**n))
+    return out
+
+
+def _y_axis(ys: list[float]) -> tuple[Callable[[float], float], list[float], bool]:
+    """(value -> position in [0, 1], tick values, whether the axis is logarithmic)."""
+    lo, hi = min(ys), max(ys)
+    if lo > 0 and hi / lo > _LOG_SPAN:
+        a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+        step = max(1, math.ceil((b - a) / 5))
+        ticks = [10.0**e for e in range(a, b + 1, step)]
+        return (lambda y: (math.log10(max(y, 1e-300)) - a) / (b - a)), ticks, True
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    ticks = [lo + (hi - lo) * i / 4 for i in range(5)]
+    return (lambda y: (y - lo) / (hi - lo)), ticks, False
+
+
 def _svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
-    """A small line chart of ``metric`` per rank, as inline SVG (no plotting library)."""
-    points = [p for r in ranks for p in r["curve"]]
-    if metric is None or len(points) < 2:
+    """``metric`` per rank as an inline SVG chart: raw line faint, smoothed line over it,
+    ticks and a legend, a log y axis when the values span more than two decades. Text
+    and axes take the surrounding text colour, so light and dark themes both read."""
+    curves = [r for r in ranks if len(r["curve"]) >= 2]
+    points = [p for r in curves for p in r["curve"]]
+    if metric is None or not points:
         return ""
-    width, height, pad = 440, 150, 34
+    width, height, left, bottom, top, right = 460, 170, 52, 30, 10, 8
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+    x0, x1 = min(xs), max(xs)
+    x1 = x1 if x1 > x0 else x0 + 1
+    to_y, ticks, log = _y_axis(ys)
 
     def sx(x: float) -> float:
-        return pad + (x - x0) / (x1 - x0) * (width - pad - 8)
+        return left + (x - x0) / (x1 - x0) * (width - left - right)
 
     def sy(y: float) -> float:
-        return height - 18 - (y - y0) / (y1 - y0) * (height - 28)
+        return height - bottom - to_y(y) * (height - bottom - top)
 
-    lines = []
-    for r in ranks:
-        if len(r["curve"]) < 2:
-            continue
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in r["curve"])
-        color = _COLORS[r["rank"] % len(_COLORS)]
-        lines.append(
-            f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}">'
-            f"<title>rank {r['rank']}</title></polyline>"
+    parts = [
+        f'<rect x="{left}" y="{top}" width="{width - left - right}" '
+        f'height="{height - bottom - top}" fill="none" stroke="currentColor" '
+        'stroke-opacity="0.3"/>'
+    ]
+    for t in ticks:
+        parts.append(
+            f'<text x="{left - 4}" y="{sy(t) + 3:.1f}" text-anchor="end">{fmt(float(t))}</text>'
         )
-    label = html.escape(metric)
+    for i, r in enumerate(curves):
+        color = _COLORS[r["rank"] % len(_COLORS)]
+        steps, values = [x for x, _ in r["curve"]], [y for _, y in r["curve"]]
+        for line, extra in ((values, ' stroke-opacity="0.3"'), (_smoothed(values), "")):
+            path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(steps, line, strict=True))
+            parts.append(
+                f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{extra} '
+                f'points="{path}"><title>rank {r["rank"]}</title></polyline>'
+            )
+        parts.append(
+            f'<text x="{width - right - 4}" y="{top + 12 + 12 * i}" text-anchor="end" '
+            f'fill="{color}">rank {r["rank"]}</text>'
+        )
+    label = html.escape(metric) + (" (log scale)" if log else "")
+    parts += [
+        f'<text x="{left}" y="{height - bottom + 12}">{fmt(x0)}</text>',
+        f'<text x="{width - right}" y="{height - bottom + 12}" text-anchor="end">{fmt(x1)}</text>',
+        f'<text x="{(left + width - right) // 2}" y="{height - 4}" text-anchor="middle">'
+        f"step; {label}, smoothed {_SMOOTHING}</text>",
+    ]
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'style="font:10px sans-serif">'
-        f'<rect x="{pad}" y="10" width="{width - pad - 8}" height="{height - 28}" fill="none" '
-        f'stroke="#ccc"/>{"".join(lines)}'
-        f'<text x="2" y="14">{fmt(y1)}</text><text x="2" y="{height - 18}">{fmt(y0)}</text>'
-        f'<text x="{pad}" y="{height - 4}">step {fmt(x0)}</text>'
-        f'<text x="{width - 8}" y="{height - 4}" text-anchor="end">{fmt(x1)}</text>'
-        f'<text x="{width // 2}" y="{height - 4}" text-anchor="middle">{label}</text></svg>'
+        f'style="font:10px sans-serif" fill="currentColor" role="img" '
+        f'aria-label="{label} by step">{"".join(parts)}</svg>'
     )
 
 

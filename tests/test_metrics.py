@@ -409,3 +409,29 @@ def test_channel_settings_are_resolved_on_the_client() -> None:
         pytest.raises(ValueError, match="max-event-bytes"),
     ):
         config.resolve()
+
+
+def test_the_curve_reads_a_loss_that_falls_five_decades() -> None:
+    import math
+
+    from dask_ddp import view
+
+    ranks = [
+        {"rank": r, "curve": [(s, (2.3 - r / 10) * math.exp(-s / 15)) for s in range(200)]}
+        for r in (0, 1)
+    ]
+    svg = view._svg_curve(ranks, "loss")
+    assert "loss (log scale)" in svg  # 2.3 down to 4e-06
+    assert ">1e-06<" in svg and ">0.01<" in svg and ">1<" in svg  # decades as ticks
+    assert ">rank 0<" in svg and ">rank 1<" in svg  # a legend
+    assert svg.count("<polyline") == 4  # raw (faint) and smoothed, per rank
+    assert 'fill="currentColor"' in svg  # text follows the notebook's theme
+    flat = [{"rank": 0, "curve": [(s, 1.0 - s / 100) for s in range(50)]}]
+    assert "log scale" not in view._svg_curve(flat, "acc")
+
+
+def test_smoothing_is_tensorboards() -> None:
+    from dask_ddp import view
+
+    assert view._smoothed([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # debiased
+    assert view._smoothed([0.0, 10.0]) == pytest.approx([0.0, 6.25])
