@@ -186,17 +186,26 @@ class WidgetView:
     def __init__(self, world_size: int) -> None:
         import ipywidgets as widgets
 
+        self._widgets = widgets
         self._title = widgets.HTML()
-        self._bars = [
-            widgets.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
-            for r in range(world_size)
-        ]
-        self._labels = [widgets.HTML() for _ in range(world_size)]
+        self._bars: list[Any] = []
+        self._labels: list[Any] = []
         self._plot = widgets.HTML()
         self._errors = widgets.HTML()
         self._output = widgets.HTML()
-        rows = [widgets.HBox([b, t]) for b, t in zip(self._bars, self._labels, strict=True)]
-        self.widget = widgets.VBox([self._title, *rows, self._plot, self._output, self._errors])
+        self.widget = widgets.VBox()
+        self._resize(world_size)
+
+    def _resize(self, world_size: int) -> None:
+        """One bar per rank: an elastic job's number of ranks changes between attempts
+        (and is 0 while it waits for workers)."""
+        w = self._widgets
+        self._bars = [
+            w.IntProgress(value=0, min=0, max=1, description=f"rank {r}") for r in range(world_size)
+        ]
+        self._labels = [w.HTML() for _ in range(world_size)]
+        rows = [w.HBox([b, t]) for b, t in zip(self._bars, self._labels, strict=True)]
+        self.widget.children = [self._title, *rows, self._plot, self._output, self._errors]
 
     def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
         self.update(snap)
@@ -204,6 +213,8 @@ class WidgetView:
 
     def update(self, snap: dict[str, Any]) -> None:
         self._title.value = _title(snap)
+        if len(snap["ranks"]) != len(self._bars):
+            self._resize(len(snap["ranks"]))
         top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
         for bar, label, r in zip(self._bars, self._labels, snap["ranks"], strict=True):
             bar.max = top

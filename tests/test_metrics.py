@@ -435,3 +435,16 @@ def test_smoothing_is_tensorboards() -> None:
 
     assert view._smoothed([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # debiased
     assert view._smoothed([0.0, 10.0]) == pytest.approx([0.0, 6.25])
+
+
+def test_the_widget_follows_a_job_that_changes_size() -> None:
+    pytest.importorskip("ipywidgets")
+    from dask_ddp._model import JobModel
+
+    model = JobModel("3f2a", [], "")  # an elastic job waiting for workers: no rank yet
+    view = WidgetView(0)
+    view.update(model.snapshot())
+    for size in (3, 2):  # placed on 3 workers, then one is lost
+        model.new_attempt(0, "t", [f"tcp://w:{r}" for r in range(size)], "gloo", "started")
+        view.update(model.snapshot())
+        assert len(view._bars) == size and len(view.widget.children) == size + 4
