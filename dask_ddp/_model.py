@@ -142,6 +142,7 @@ class _RankProgress:
         self.step: int | None = None
         self.last: dict[str, float] = {}
         self.first_time: float | None = None
+        self.first_step: int | None = None
         self.last_time: float | None = None
         self.curve: list[tuple[float, float]] = []
         self._stride = 1
@@ -149,6 +150,7 @@ class _RankProgress:
     def add(self, rec: MetricRecord, metric: str | None) -> None:
         self.count += 1
         self.step = rec.step if rec.step is not None else self.step
+        self.first_step = self.step if self.first_step is None else self.first_step
         self.last = rec.metrics
         self.first_time = rec.time if self.first_time is None else self.first_time
         self.last_time = rec.time
@@ -166,6 +168,13 @@ class _RankProgress:
         if self.first_time is None or self.last_time is None or self.last_time <= self.first_time:
             return None
         return (self.count - 1) / (self.last_time - self.first_time)
+
+    @property
+    def step_rate(self) -> float | None:
+        """Steps per second between the first and the latest report with a step."""
+        if self.step is None or self.first_step is None or self.rate is None:
+            return None
+        return (self.step - self.first_step) / (self.last_time - self.first_time)
 
 
 class _RankStatus:
@@ -201,6 +210,7 @@ class JobModel:
         self.done = threading.Event()  # set once the outcome is known
         self.state = JobState.RUNNING if workers else JobState.WAITING
         self.wait_reason: str | None = None
+        self.total_steps: int | None = None  # launch(total_steps=): bars show n/total, ETA
         self.moving_since: float | None = time.time()  # launch, or the last attempt's end
         self.history: list[AttemptInfo] = []
         self.error: BaseException | None = None
@@ -375,6 +385,7 @@ class JobModel:
                         "step": prog.step,
                         "last": dict(prog.last),
                         "rate": prog.rate,
+                        "step_rate": prog.step_rate,
                         "error": self.rank_errors.get(r),
                         "curve": list(prog.curve),
                     }
@@ -384,6 +395,7 @@ class JobModel:
                 "job": self.job_id,
                 "state": self.state.value,
                 "waiting": self.wait_reason,
+                "total": self.total_steps,
                 "backend": self.backend,
                 "elapsed": end - self.started,
                 "records": len(self.metrics),

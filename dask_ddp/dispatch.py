@@ -60,6 +60,7 @@ def launch(
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     datasets: Mapping[str, Any] | None = None,
+    total_steps: int | None = None,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
@@ -136,6 +137,10 @@ def launch(
         returns the rank's share, which fetches its partitions worker to worker, never
         through the client. Every rank gets the same number of rows (a few repeated, or
         left out with ``drop_last=True``), so the same number of batches.
+    total_steps : int, optional
+        How many steps the function trains (the ``step=`` it reports counts them from 0):
+        the live view's bars then show steps done of it, percent, elapsed and time left, as
+        tqdm does. Without it the bars are relative to the leading rank.
 
     Returns
     -------
@@ -195,6 +200,7 @@ def launch(
         keep_last=keep_last,
         storage_options=storage_options,
         datasets=datasets,
+        total_steps=total_steps,
     )
 
 
@@ -217,11 +223,14 @@ def _launch(
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     datasets: Mapping[str, Any] | None = None,
+    total_steps: int | None = None,
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
     settings = config.resolve(backend=backend, timeout=timeout)
     _check_picklable(fn, args, kwargs)
+    if total_steps is not None and (isinstance(total_steps, bool) or total_steps < 1):
+        raise ValueError(f"total_steps must be a whole number of at least 1; got {total_steps!r}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be 0 or more; got {max_restarts!r}")
     job_id = uuid.uuid4().hex[:12]
@@ -260,6 +269,7 @@ def _launch(
             on_report=on_report,
             on_output=on_output,
             datasets=data,
+            total_steps=total_steps,
         ).start()
     except BaseException:
         launcher.claims.close()

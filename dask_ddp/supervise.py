@@ -70,6 +70,8 @@ class Supervisor:
         The user's callbacks (see :func:`dask_ddp.launch`).
     datasets : optional
         The job's persisted Dask collections, released when the job is over.
+    total_steps : int, optional
+        The steps the job trains, for the live view's bars (``launch(total_steps=)``).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Supervisor:
         on_report: Callable[[Any], Any] | None = None,
         on_output: Callable[[Any], Any] | None = None,
         datasets: Any = None,
+        total_steps: int | None = None,
     ) -> None:
         self.client, self.launcher, self.attempt = client, launcher, first
         self.grace, self.drain_timeout = failure_grace, drain_timeout
@@ -92,6 +95,7 @@ class Supervisor:
         self.model = (
             JobModel(job_id, first.workers, first.backend) if first else JobModel(job_id, [], "")
         )
+        self.model.total_steps = total_steps
         self.reader = EventReader(client, self.model, on_report=on_report, on_output=on_output)
         self.job = Job(client, job_id, self.model, self)
         self.watch: AttemptWatch | None = None  # the current attempt's, once placed

@@ -113,15 +113,42 @@ _WAITING = {
 }
 
 
-def _rank_text(r: dict[str, Any]) -> str:
-    """The rank's latest step and metrics, or what it waits for; then what it is busy with."""
+def _bar(r: dict[str, Any], snap: dict[str, Any]) -> tuple[int, int]:
+    """(value, max) of a rank's bar: steps done of ``total`` when the job has one, else
+    relative to the leading rank."""
+    done = r["step"] + 1 if r["step"] is not None else r["count"]
+    if snap.get("total"):
+        return min(done, snap["total"]), snap["total"]
+    top = max([1] + [x["step"] + 1 if x["step"] is not None else x["count"] for x in snap["ranks"]])
+    return done, top
+
+
+def _interval(seconds: float) -> str:
+    """``1:02:03`` or ``02:03``, as tqdm shows times."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:d}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def _rank_text(r: dict[str, Any], snap: dict[str, Any] | None = None) -> str:
+    """The rank's progress and latest metrics, or what it waits for; then what it is busy
+    with. With the job's total steps: n/total, percent, elapsed, time left and steps/s."""
     activity = html.escape(r.get("activity") or "")
     if not r["count"]:
         return activity or _WAITING.get(r["status"], "")
-    step = f"step {r['step']}" if r["step"] is not None else f"{r['count']} records"
-    rate = f", {r['rate']:.1f}/s" if r["rate"] else ""
+    total = (snap or {}).get("total")
+    step_rate = r.get("step_rate")
+    if total and r["step"] is not None:
+        done = min(r["step"] + 1, total)
+        step = f"{done}/{total} ({100 * done / total:.0f}%) {_interval(snap['elapsed'])}"
+        if step_rate:
+            step += f"<{_interval((total - done) / step_rate)}, {step_rate:.1f} steps/s"
+    else:
+        step = f"step {r['step']}" if r["step"] is not None else f"{r['count']} reports"
+        if step_rate or r["rate"]:
+            step += f", {step_rate:.1f} steps/s" if step_rate else f", {r['rate']:.1f} reports/s"
     last = ", ".join(f"{html.escape(k)} {fmt(v)}" for k, v in list(r["last"].items())[:4])
-    return f"{step}{rate}" + (f" · {last}" if last else "") + (f" — {activity}" if activity else "")
+    return f"{step}" + (f" · {last}" if last else "") + (f" — {activity}" if activity else "")
 
 
 def _title(snap: dict[str, Any]) -> str:
@@ -133,7 +160,8 @@ def _title(snap: dict[str, Any]) -> str:
     return (
         f"<b>dask_ddp job {html.escape(snap['job'])}</b>: {state}, "
         f"{len(ranks)} ranks, backend {html.escape(snap['backend'])}, "
-        f"{snap['records']} records, {snap['elapsed']:.1f} s"
+        f"{snap['records']} reports, {snap['elapsed']:.1f} s"
+        + ("" if snap.get("total") else "; bars relative to the leading rank")
     )
 
 
@@ -164,12 +192,11 @@ def _output_html(snap: dict[str, Any]) -> str:
 
 def render_html(snap: dict[str, Any]) -> str:
     """The whole view as static HTML: title, a row per rank, the curve, the errors."""
-    top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
     rows = "".join(
         f"<tr><td>{r['rank']}</td><td>{html.escape(r['worker'])}</td>"
         f"<td>{html.escape(r['status'])}</td>"
-        f"<td><progress value='{r['step'] or r['count']}' max='{top}'></progress></td>"
-        f"<td>{_rank_text(r)}</td></tr>"
+        "<td><progress value='{}' max='{}'></progress></td>".format(*_bar(r, snap))
+        + f"<td>{_rank_text(r, snap)}</td></tr>"
         for r in snap["ranks"]
     )
     return (
@@ -215,14 +242,13 @@ class WidgetView:
         self._title.value = _title(snap)
         if len(snap["ranks"]) != len(self._bars):
             self._resize(len(snap["ranks"]))
-        top = max([1] + [r["step"] or r["count"] for r in snap["ranks"]])
         for bar, label, r in zip(self._bars, self._labels, snap["ranks"], strict=True):
-            bar.max = top
-            bar.value = min(top, r["step"] or r["count"])
+            bar.value, bar.max = 0, 1  # value may not exceed max on the way
+            bar.max, bar.value = _bar(r, snap)[1], _bar(r, snap)[0]
             bar.bar_style = (
                 "danger" if r["error"] else "success" if snap["state"] == "succeeded" else "info"
             )
-            label.value = _rank_text(r)
+            label.value = _rank_text(r, snap)
         plot = _svg_curve(snap["ranks"], snap["metric"])
         if plot != self._plot.value:
             self._plot.value = plot

@@ -300,7 +300,7 @@ def test_live_view_shows_progress_curve_and_errors(client: Client) -> None:
     view.update(snap)
     assert snap["metric"] == "loss"
     assert [r["step"] for r in snap["ranks"]] == [199, 199]
-    assert view._bars[0].value == 199 and view._bars[0].max == 199
+    assert view._bars[0].value == 200 and view._bars[0].max == 200  # steps 0..199 done
     assert view._bars[1].bar_style == "danger"
     assert "<polyline" in view._plot.value and "loss" in view._plot.value
     assert "rank 1 gave up" in view._errors.value
@@ -359,7 +359,7 @@ def test_live_view_in_a_notebook(cluster: LocalCluster) -> None:
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in display)
     text = "".join(o.get("text", "") for o in nb.cells[2].outputs)
     assert "[1000, 1000]" in text
-    assert "bars: [999, 999]" in text and "curve: True" in text
+    assert "bars: [1000, 1000]" in text and "curve: True" in text  # steps 0..999 done
     running_updates = int(text.split("updates while running:")[1].split()[0])
     assert running_updates >= 1, text
 
@@ -448,3 +448,26 @@ def test_the_widget_follows_a_job_that_changes_size() -> None:
         model.new_attempt(0, "t", [f"tcp://w:{r}" for r in range(size)], "gloo", "started")
         view.update(model.snapshot())
         assert len(view._bars) == size and len(view.widget.children) == size + 4
+
+
+def _count_steps(steps: int) -> int:
+    for step in range(steps):
+        dask_ddp.report({"loss": 1.0 / (step + 1)}, step=step)
+        time.sleep(0.01)
+    return steps
+
+
+def test_bars_with_a_total_show_steps_done_percent_and_time_left(client: Client) -> None:
+    job = dask_ddp.launch(client, _count_steps, args=(50,), total_steps=200)
+    job.result(timeout=120)
+    snap = job.view_state()
+    assert snap["total"] == 200
+    page = render_html(snap)
+    assert "<progress value='50' max='200'>" in page
+    assert "50/200 (25%)" in page and "steps/s" in page and "<" in page
+    assert "relative to the leading rank" not in page
+    without = dask_ddp.launch(client, _count_steps, args=(5,))
+    without.result(timeout=120)
+    assert "bars relative to the leading rank" in render_html(without.view_state())
+    with pytest.raises(ValueError, match="total_steps"):
+        dask_ddp.launch(client, _count_steps, args=(5,), total_steps=0)
