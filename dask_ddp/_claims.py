@@ -114,12 +114,10 @@ class WorkerClaims:
     def release(self, addresses: Sequence[str] | None = None) -> None:
         """Give back ``addresses`` (default: every held worker) and say so to waiting jobs."""
         gone = [a for a in (self._held if addresses is None else addresses) if a in self._held]
-        if self.client.status not in ("running", "connecting"):
-            self._held.clear()  # closed: the scheduler drops the leases after their timeout
-            return
         for address in gone:
             self._held.remove(address)
-        if gone:
+        # A closed client cannot: the scheduler drops its leases after their timeout.
+        if gone and self.client.status in ("running", "connecting"):
             self.client.sync(self._release, gone)
 
     async def _release(self, gone: list[str]) -> None:

@@ -55,7 +55,6 @@ def job_size(
 ) -> tuple[Size, int | list[str] | None]:
     """Check ``workers=`` and ``min_workers=`` before anything starts; return the job's
     size and the workers it asks for (names resolved to addresses)."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
     if min_workers is not None:
         if isinstance(workers, bool) or not isinstance(workers, int):
             raise PlacementError(
@@ -79,6 +78,7 @@ def job_size(
             )
         if min_workers < workers:
             return Size(min_workers, workers), workers  # the cluster may grow into it
+    info = client.scheduler_info(n_workers=-1)["workers"]
     if not info:
         raise NoWorkersError(client.scheduler.address)
     requested = _resolve_names(info, workers)
@@ -189,10 +189,11 @@ class Launcher:
         """Claim free workers for a running elastic job below its size; when it got some,
         ask its rank 0 to stop at the next checkpoint. False when nothing changed."""
         size, held = self.size, len(self.claims.held)
-        if size.min_workers == size.max_workers or held >= size.max_workers:
+        if not self.elastic or held >= size.max_workers:
             return False
         info = self.client.scheduler_info(n_workers=-1)["workers"]
-        if not self.claims.take(self._candidates(info, 1), want=size.max_workers, need=held + 1):
+        candidates = self._candidates(info, attempt.attempt)
+        if not self.claims.take(candidates, want=size.max_workers, need=held + 1):
             return False
         self.client.run(
             bootstrap.request_grow, attempt.run_id, workers=[attempt.store_worker],
@@ -207,15 +208,11 @@ class Launcher:
     def prepare(
         self, attempt: int, workers: Sequence[str], info: Mapping[str, Mapping[str, Any]]
     ) -> Attempt:
-        """Probe ``workers`` (in ``info``, the scheduler's worker table), plan the ranks on
-        them and build their tasks, ready to submit."""
+        """Probe ``workers`` (claimed, each in ``info``, the scheduler's worker table), plan
+        the ranks on them and build their tasks, ready to submit."""
         client, settings = self.client, self.settings
         run_id = self.job_id if attempt == 0 else f"{self.job_id}-{attempt}"
-        if not info:
-            raise NoWorkersError(client.scheduler.address)
-        chosen = select_workers(
-            {addr: w["host"] for addr, w in info.items()}, _resolve_names(info, workers)
-        )
+        chosen = list(workers)
         rank0 = order_workers([WorkerInfo(a, info[a]["host"]) for a in chosen])[0]
         can_grow = self.elastic and len(chosen) < self.size.max_workers
         probes = client.run(

@@ -12,7 +12,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 from distributed import Client, Future
@@ -24,11 +24,7 @@ from .errors import NotPicklableError
 from .job import Job, MetricRecord, OutputLine
 from .supervise import Supervisor
 
-if TYPE_CHECKING:
-    pass
-
 logger = logging.getLogger(__name__)
-
 
 __all__ = ["launch", "launch_script", "run"]
 

@@ -113,14 +113,12 @@ _WAITING = {
 }
 
 
-def _bar(r: dict[str, Any], snap: dict[str, Any]) -> tuple[int, int]:
-    """(value, max) of a rank's bar: steps done of ``total`` when the job has one, else
+def _bars(snap: dict[str, Any]) -> list[tuple[int, int]]:
+    """(value, max) of each rank's bar: steps done of ``total`` when the job has one, else
     relative to the leading rank."""
-    done = r["step"] + 1 if r["step"] is not None else r["count"]
-    if snap.get("total"):
-        return min(done, snap["total"]), snap["total"]
-    top = max([1] + [x["step"] + 1 if x["step"] is not None else x["count"] for x in snap["ranks"]])
-    return done, top
+    done = [r["step"] + 1 if r["step"] is not None else r["count"] for r in snap["ranks"]]
+    top = snap.get("total") or max([1, *done])
+    return [(min(d, top), top) for d in done]
 
 
 def _interval(seconds: float) -> str:
@@ -130,13 +128,13 @@ def _interval(seconds: float) -> str:
     return f"{hours:d}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
-def _rank_text(r: dict[str, Any], snap: dict[str, Any] | None = None) -> str:
+def _rank_text(r: dict[str, Any], snap: dict[str, Any]) -> str:
     """The rank's progress and latest metrics, or what it waits for; then what it is busy
     with. With the job's total steps: n/total, percent, elapsed, time left and steps/s."""
     activity = html.escape(r.get("activity") or "")
     if not r["count"]:
         return activity or _WAITING.get(r["status"], "")
-    total = (snap or {}).get("total")
+    total = snap.get("total")
     step_rate = r.get("step_rate")
     if total and r["step"] is not None:
         done = min(r["step"] + 1, total)
@@ -195,9 +193,9 @@ def render_html(snap: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td>{r['rank']}</td><td>{html.escape(r['worker'])}</td>"
         f"<td>{html.escape(r['status'])}</td>"
-        "<td><progress value='{}' max='{}'></progress></td>".format(*_bar(r, snap))
-        + f"<td>{_rank_text(r, snap)}</td></tr>"
-        for r in snap["ranks"]
+        f"<td><progress value='{value}' max='{top}'></progress></td>"
+        f"<td>{_rank_text(r, snap)}</td></tr>"
+        for r, (value, top) in zip(snap["ranks"], _bars(snap), strict=True)
     )
     return (
         f"<div>{_title(snap)}<table><tr><th>rank</th><th>worker</th><th>status</th>"
@@ -242,9 +240,9 @@ class WidgetView:
         self._title.value = _title(snap)
         if len(snap["ranks"]) != len(self._bars):
             self._resize(len(snap["ranks"]))
-        for bar, label, r in zip(self._bars, self._labels, snap["ranks"], strict=True):
-            bar.value, bar.max = 0, 1  # value may not exceed max on the way
-            bar.max, bar.value = _bar(r, snap)[1], _bar(r, snap)[0]
+        shown = zip(self._bars, self._labels, snap["ranks"], _bars(snap), strict=True)
+        for bar, label, r, (value, top) in shown:
+            bar.max, bar.value = top, value  # max first: value never exceeds it
             bar.bar_style = (
                 "danger" if r["error"] else "success" if snap["state"] == "succeeded" else "info"
             )
