@@ -61,6 +61,46 @@ def topic_handler(client: Any, topic: str) -> Callable[[Any], Any] | None:
     return client._event_handlers.get(topic)
 
 
+# --- used by dask_ddp._dashboard ---
+def add_stream_handler(scheduler: Any, op: str, handler: Callable[..., Any]) -> None:
+    """Handle messages ``{"op": op, ...}`` that clients send on their batched stream to
+    ``scheduler``: ``handler(client=<client id>, **message)`` runs on the scheduler's loop.
+
+    Private: ``Scheduler.stream_handlers`` is the server's table of stream operations.
+    """
+    scheduler.stream_handlers[op] = handler
+
+
+def remove_stream_handler(scheduler: Any, op: str) -> None:
+    """Stop handling ``op``; nothing if it is not handled."""
+    if scheduler is not None:
+        scheduler.stream_handlers.pop(op, None)
+
+
+def http_prefix(scheduler: Any) -> str:
+    """The path the scheduler's HTTP pages live under (``dask scheduler --dashboard-prefix``),
+    with slashes on both ends: ``"/"`` by default.
+
+    Private: the scheduler does not keep its prefix; its ``health`` route carries it.
+    """
+    for rule in scheduler.http_application.wildcard_router.rules:
+        pattern = getattr(getattr(rule.matcher, "regex", None), "pattern", "")
+        if pattern.endswith("health$"):
+            prefix = pattern[: -len("health$")].strip("/")
+            return f"/{prefix}/" if prefix else "/"
+    return "/"
+
+
+def send_to_scheduler(client: Any, msg: dict[str, Any]) -> None:
+    """Queue ``msg`` on ``client``'s batched stream to the scheduler (no reply, no round
+    trip). Only for operations the scheduler handles (:func:`add_stream_handler`): the
+    scheduler closes the connection of a client that sends an unknown one.
+
+    Private: ``Client._send_to_scheduler``.
+    """
+    client._send_to_scheduler(msg)
+
+
 # --- used by dask_ddp.data ---
 
 

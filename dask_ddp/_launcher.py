@@ -18,10 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future
 
-from . import bootstrap, config
+from . import bootstrap, config, script
 from ._claims import WorkerClaims
 from .errors import NoWorkersError, PlacementError, ScaleTimeoutError
-from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, select_workers
+from .placement import (
+    WorkerInfo,
+    choose_backend,
+    order_workers,
+    plan_ranks,
+    rank_key,
+    select_workers,
+)
 
 if TYPE_CHECKING:
     from .data import _collection_plan as _collections
@@ -100,6 +107,19 @@ class Attempt:
     abandon: Callable[[], None]
 
 
+def job_name(fn: Callable[..., Any], args: tuple) -> str:
+    """What the job runs, for people: the script's file name, else the function's name.
+
+    >>> job_name(job_name, ())
+    'job_name'
+    >>> job_name(script.run_script, ("print(1)", "/home/ana/train.py", []))
+    'train.py'
+    """
+    if fn is script.run_script:
+        return os.path.basename(args[1])
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 class Launcher:
     """Places a job on the cluster, for its first attempt and for every restart."""
 
@@ -118,6 +138,7 @@ class Launcher:
         self.client, self.fn, self.args, self.kwargs = client, fn, args, kwargs
         self.settings, self.job_id, self.rank_options = settings, job_id, rank_options
         self.size, self.requested = size, requested
+        self.name = job_name(fn, args)
         self.claims = WorkerClaims(client, job_id)
         self.datasets: _collections._Datasets | None = None
 
@@ -263,7 +284,7 @@ class Launcher:
         specs = [
             bootstrap.RankSpec(
                 job_id=run_id,
-                key=f"dask-ddp-{run_id}-rank-{placement.rank}",
+                key=rank_key(self.name, run_id, placement.rank),
                 attempt=attempt,
                 backend=backend,
                 timeout=settings.timeout,

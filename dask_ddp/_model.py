@@ -359,9 +359,13 @@ class JobModel:
         state = self.snapshot()
         for shown in list(self.views):
             try:
-                shown.update(state)
+                again = shown.update(state)
             except Exception:  # a closed notebook must not stop the supervisor
                 logger.debug("job %s: live view update failed", self.job_id, exc_info=True)
+                continue
+            if again is not None:  # a view that skipped this state asks to be called later
+                due = time.monotonic() + again
+                self.view_due = due if self.view_due is None else min(self.view_due, due)
 
     def snapshot(self) -> dict[str, Any]:
         """The state the views draw (see :meth:`dask_ddp.Job.view_state`)."""
@@ -398,6 +402,7 @@ class JobModel:
                 "total": self.total_steps,
                 "backend": self.backend,
                 "elapsed": end - self.started,
+                "attempts": self.attempt + 1,
                 "records": len(self.metrics),
                 "ranks": ranks,
                 "metric": self.curve_metric,

@@ -22,13 +22,15 @@ import sys
 import threading
 from typing import Any
 
+from .placement import is_rank_key
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class RankComputeFailedFilter(logging.Filter):
-    """Drops a worker's "Compute Failed" record for a rank task (``dask-ddp-...``)."""
+    """Drops a worker's "Compute Failed" record for a rank task (``ddp_<name>_rank<r>-...``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg, args = record.msg, record.args
@@ -37,7 +39,7 @@ class RankComputeFailedFilter(logging.Filter):
             and msg.startswith("Compute Failed")
             and isinstance(args, tuple)
             and bool(args)
-            and str(args[0]).startswith("dask-ddp-")
+            and is_rank_key(args[0])
         )
 
 

@@ -66,7 +66,7 @@ class RankContext:
     attempt : int
         0 for the first run of the job, incremented on every restart.
     job_id : str
-        The job's identifier; task keys are ``dask-ddp-<job_id>-rank-<rank>``.
+        The job's identifier; task keys are ``ddp_<name>_<id[:6]>_rank<rank>-<job_id>``.
     worker : str
         Address of the Dask worker running this rank.
     master_addr, master_port

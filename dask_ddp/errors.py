@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailableError",
     "ChannelError",
+    "DashboardUnavailableWarning",
     "DaskDDPError",
     "JobCancelledError",
     "JobNotFoundError",
@@ -476,4 +477,29 @@ class JobNotFoundError(DaskDDPError, ValueError):
             f"no dask_ddp job started from this client owns the futures [{shown}]. Pass the "
             "list that dask_ddp.dispatch.run() returned, or job.futures, or the Job itself, "
             "and keep it referenced while results are processed."
+        )
+
+
+class DashboardUnavailableWarning(UserWarning):
+    """The cluster's scheduler did not take dask-ddp's dashboard plugin: jobs train, but
+    the ``/ddp/`` page and the ``dask_ddp_*`` Prometheus gauges are not there.
+
+    Examples
+    --------
+    >>> print(DashboardUnavailableWarning("tcp://10.0.0.2:8786", ModuleNotFoundError("dask_ddp")))
+    ... # doctest: +ELLIPSIS
+    the scheduler at tcp://10.0.0.2:8786 did not take dask-ddp's dashboard plugin ...
+    """
+
+    def __init__(self, scheduler: str, cause: BaseException) -> None:
+        super().__init__(scheduler, cause)
+        self.scheduler, self.cause = scheduler, cause
+
+    def __str__(self) -> str:
+        return (
+            f"the scheduler at {self.scheduler} did not take dask-ddp's dashboard plugin "
+            f"({type(self.cause).__name__}: {self.cause}); jobs train, but the cluster's "
+            "dashboard has no /ddp/ page. Install dask-ddp where the scheduler runs (or start "
+            "it with --preload dask_ddp.dashboard), or set ddp.dashboard.enabled: false to "
+            "stop trying."
         )

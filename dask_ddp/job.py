@@ -68,7 +68,7 @@ class Job:
     Attributes
     ----------
     job_id : str
-        Identifier; rank task keys are ``dask-ddp-<job_id>-rank-<rank>``.
+        Identifier; rank task keys are ``ddp_<name>_<id[:6]>_rank<rank>-<job_id>``.
 
     Examples
     --------

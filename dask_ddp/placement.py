@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import re
 from collections.abc import Mapping, Sequence
 
 from .errors import BackendUnavailableError, PlacementError
@@ -279,3 +280,29 @@ def select_workers(
     if not chosen:
         raise PlacementError("workers= is an empty list; name at least one worker")
     return chosen
+
+
+def rank_key(name: str, run_id: str, rank: int) -> str:
+    """A rank task's key: Dask's task stream and progress bars name tasks after the key's
+    leading words (``dask.utils.key_split``), so they say the job's name, its id and the rank.
+
+    >>> rank_key("train.py", "3f2a9c1b2d4e-1", 0)
+    'ddp_train_py_3f2a9c_rank0-3f2a9c1b2d4e-1'
+    >>> from dask.utils import key_split
+    >>> key_split(rank_key("Trainer.fit.<locals>.step", "3f2a9c1b2d4e", 1))
+    'ddp_Trainer_fit_locals_step_3f2a9c_rank1'
+    """
+    word = re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_")[:40] or "fn"
+    return f"ddp_{word}_{run_id[:6]}_rank{rank}-{run_id}"
+
+
+_RANK_KEY = re.compile(r"ddp_\w*_rank\d+-[0-9a-f]+(-\d+)?$")
+
+
+def is_rank_key(key: object) -> bool:
+    """Whether ``key`` is a rank task's (:func:`rank_key`).
+
+    >>> is_rank_key(rank_key("train", "3f2a9c1b2d4e", 0)), is_rank_key("ddp_x")
+    (True, False)
+    """
+    return isinstance(key, str) and _RANK_KEY.match(key) is not None

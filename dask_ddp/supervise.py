@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Client
 
-from . import events
+from . import _dashboard, events
 from ._model import JobModel, JobState
 from ._reader import EventReader
 from ._watch import AttemptWatch
@@ -98,6 +98,7 @@ class Supervisor:
         self.model.total_steps = total_steps
         self.reader = EventReader(client, self.model, on_report=on_report, on_output=on_output)
         self.job = Job(client, job_id, self.model, self)
+        _dashboard.attach(client, self.model, launcher.name)
         self.watch: AttemptWatch | None = None  # the current attempt's, once placed
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._cancel_reason = "cancelled by the user"

@@ -144,3 +144,29 @@ def test_our_subscription_keeps_the_users_handler_on_the_same_topic(client: Clie
     poll_for(lambda: seen_after_logging("user b"), timeout=10)
     assert "ours b" not in seen
     client.unsubscribe_topic("users-topic")
+
+
+# --- used by dask_ddp._dashboard ---
+def test_http_prefix_and_stream_handlers(client: Client) -> None:
+    assert client.run_on_scheduler(lambda dask_scheduler: _dask_internals.http_prefix(
+        dask_scheduler)) == "/"  # fmt: skip
+
+    def add(dask_scheduler=None) -> None:
+        got = dask_scheduler.dask_ddp_test_got = []
+        _dask_internals.add_stream_handler(
+            dask_scheduler, "dask-ddp-test-op", lambda client=None, **msg: got.append((client, msg))
+        )
+
+    def got(dask_scheduler=None) -> list:
+        return list(getattr(dask_scheduler, "dask_ddp_test_got", []))
+
+    client.run_on_scheduler(add)
+    try:
+        _dask_internals.send_to_scheduler(client, {"op": "dask-ddp-test-op", "n": 1})
+        poll_for(lambda: client.run_on_scheduler(got), timeout=10)
+        assert client.run_on_scheduler(got) == [(client.id, {"n": 1})]
+    finally:
+        client.run_on_scheduler(
+            lambda dask_scheduler: _dask_internals.remove_stream_handler(
+                dask_scheduler, "dask-ddp-test-op")
+        )  # fmt: skip

@@ -90,7 +90,7 @@ def test_run_is_dask_pytorch_ddp_compatible(client: Client) -> None:
     assert [o["tag"] for o in out] == ["positional", "positional"]
     assert [o["local_rank_kwarg"] for o in out] == [0, 1]
     assert [o["ctx"].rank for o in out] == [0, 1]
-    assert all(f.key.startswith("dask-ddp-") for f in futures)
+    assert all(f.key.startswith("ddp_") for f in futures)
 
 
 def test_identical_arguments_train_again(client: Client) -> None:

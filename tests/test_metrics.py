@@ -344,7 +344,7 @@ def test_live_view_in_a_notebook(cluster: LocalCluster) -> None:
                 "job"
             ),
             cell(
-                "view = job._model.views[0]  # the widget the cell above displayed\n"
+                "view = job._model.views[-1]  # the widget the cell above displayed\n"
                 "updates = []\n"
                 "view._plot.observe(lambda ch: updates.append(job.done()), 'value')\n"
                 "print(job.result(timeout=120))\n"
