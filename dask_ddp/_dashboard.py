@@ -197,7 +197,8 @@ def _or_blank(value: Any, form: str | None = None) -> str:
     return "" if value is None else form.format(value) if form else view.fmt(value)
 
 
-def _list_html(plugin: DashboardPlugin, base: str) -> str:
+def list_html(plugin: DashboardPlugin, base: str) -> str:
+    """The table of jobs (``base``: the page's path, ``/ddp/`` under the prefix)."""
     rows = "".join(
         f"<tr><td><a href='{base}jobs/{html.escape(r['job'])}'>{html.escape(r['job'])}</a></td>"
         f"<td>{html.escape(r['name'] or '')}</td>"
@@ -245,12 +246,12 @@ class _Handler(web.RequestHandler):
 
 class _ListPage(_Handler):
     def get(self) -> None:
-        self.write(_page("dask-ddp jobs", _list_html(self.plugin, self.base), self.base + "list"))
+        self.write(_page("dask-ddp jobs", list_html(self.plugin, self.base), self.base + "list"))
 
 
 class _ListPart(_Handler):
     def get(self) -> None:
-        self.write(_list_html(self.plugin, self.base))
+        self.write(list_html(self.plugin, self.base))
 
 
 class _JobPage(_Handler):

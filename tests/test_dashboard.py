@@ -241,3 +241,28 @@ def test_the_page_in_a_real_browser(client: Client, paused_job: dask_ddp.Job, tm
     (ARTIFACTS / "dashboard-job.html").write_text(dom)
     assert shot.stat().st_size > 5000  # a PNG with something drawn
     assert f"dask_ddp job {job.job_id}" in dom and "<svg" in dom and "step 9" in dom
+
+
+@pytest.mark.slow
+def test_the_scheduler_preload_serves_the_page_and_a_labextension_panel(tmp_path: Path):
+    """`dask scheduler --preload dask_ddp.dashboard`: the page is there before any job, and
+    /individual-plots.json lists the Bokeh panel that dask-labextension shows."""
+    pytest.importorskip("bokeh")
+    with _cluster(tmp_path, "dask_ddp.dashboard") as client:
+        root = client.dashboard_link.rsplit("/status", 1)[0]
+        status, page = _get(root + "/ddp/")
+        assert status == 200 and "No dask-ddp job has run on this cluster yet" in page
+        status, plots = _get(root + "/individual-plots.json")
+        assert json.loads(plots)["Individual Ddp Jobs"] == "/individual-ddp-jobs"
+        status, panel = _get(root + "/individual-ddp-jobs")
+        assert status == 200 and "bokeh" in panel.lower()
+
+        def train() -> int:
+            dask_ddp.report({"loss": 1.0}, step=0)
+            return dask_ddp.get_context().rank
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DashboardUnavailableWarning)
+            job = dask_ddp.launch(client, train)
+            assert job.result(timeout=120) == [0, 1]
+        assert _until(lambda: (j := _job_json(client, job.job_id)) and j["state"] == "succeeded")
