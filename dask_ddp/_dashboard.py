@@ -51,7 +51,7 @@ _CURVE_POINTS = 200  # points per rank kept on the scheduler
 _METRICS = 16  # latest metric values kept per rank
 _TEXT = 20_000  # characters kept of an error or a note
 _NOTES = 20
-_FINAL = frozenset({"succeeded", "failed", "cancelled"})
+_FINAL = view.FINAL_STATES
 
 
 # -- the summary a job sends -------------------------------------------------------------

@@ -22,6 +22,7 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+FINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 _SMOOTHING = 0.6  # the weight TensorBoard's smoothing slider starts at
 _LOG_SPAN = 100.0  # a metric spanning more than two decades is drawn on a log axis
 
@@ -219,6 +220,8 @@ class WidgetView:
         self._errors = widgets.HTML()
         self._output = widgets.HTML()
         self.widget = widgets.VBox()
+        self._handle: Any = None
+        self._final = False
         self._resize(world_size)
 
     def _resize(self, world_size: int) -> None:
@@ -234,9 +237,17 @@ class WidgetView:
 
     def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
         self.update(snap)
-        display(self.widget)
+        self._handle = display(self._bundle(snap), raw=True, display_id=True)
+
+    def _bundle(self, snap: dict[str, Any]) -> dict[str, Any]:
+        """The widget, with a static HTML copy of ``snap`` beside it: what nbconvert,
+        GitHub and nbviewer show when the widget's state was not saved with the notebook."""
+        return {**self.widget._repr_mimebundle_(), "text/html": render_html(snap)}
 
     def update(self, snap: dict[str, Any]) -> None:
+        if snap["state"] in FINAL_STATES and self._handle is not None and not self._final:
+            self._final = True  # the output keeps a copy of the final state, once
+            self._handle.update(self._bundle(snap), raw=True)
         self._title.value = _title(snap)
         if len(snap["ranks"]) != len(self._bars):
             self._resize(len(snap["ranks"]))

@@ -3,6 +3,7 @@ gets its metrics back. The notebooks are stored without outputs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -45,3 +46,23 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     records = int(text.split("records: ")[1].split()[0].rstrip(","))
     assert records > 0, "no metrics arrived"
+    if path.name == "01-quickstart.ipynb":
+        _exports_with_the_curve(nb)
+
+
+def _exports_with_the_curve(nb: nbformat.NotebookNode) -> None:
+    """`jupyter nbconvert --to html` of the executed quick start shows the job's final
+    state, loss curve included, without a kernel or the widget's JavaScript. The notebook
+    is exported as JupyterLab saves it: without the widgets' state (JupyterLab keeps it
+    only with "Save Widget State Automatically" on), so nbconvert, GitHub and nbviewer fall
+    back to the static HTML each displayed job carries beside its widget."""
+    from nbconvert import HTMLExporter
+
+    nb.metadata.pop("widgets", None)
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    artifacts = Path(os.environ.get("DASK_DDP_ARTIFACTS", Path(__file__).parents[1] / "artifacts"))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    (artifacts / "01-quickstart.html").write_text(body)  # a test artefact, for people
+    svg = body[body.index("<svg") : body.index("</svg>")]
+    assert "loss" in svg and "<polyline" in svg  # the curve, with its metric's name
+    assert "dask_ddp job" in body and "succeeded" in body  # the job's final state
