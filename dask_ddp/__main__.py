@@ -213,7 +213,11 @@ def _run_job(client: Any, opts: argparse.Namespace, *, own_cluster: bool) -> int
     try:
         job.result()
     except DaskDDPError as exc:
-        print(f"dask_ddp: {exc}", file=sys.stderr)
+        shown = str(exc)
+        print(f"dask_ddp: {shown}", file=sys.stderr)
+        rank_traceback = getattr(exc, "rank_traceback", "")
+        if rank_traceback and rank_traceback not in shown:
+            print(rank_traceback.rstrip(), file=sys.stderr)
         if own_cluster:
             return 1  # everything it started ends with the command
         # On a shared cluster, leave it clean: a stuck peer's worker is restarted.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future
 
-from . import bootstrap, config, script
+from . import _traceback, bootstrap, config, script
 from ._claims import WorkerClaims
 from .errors import NoWorkersError, PlacementError, ScaleTimeoutError
 from .placement import (
@@ -105,6 +105,7 @@ class Attempt:
     store_worker: str
     submit: Callable[[], list[Future]]
     abandon: Callable[[], None]
+    sources: _traceback.Sources | None = None  # where the client's copy of fn lives
 
 
 def job_name(fn: Callable[..., Any], args: tuple) -> str:
@@ -139,6 +140,7 @@ class Launcher:
         self.settings, self.job_id, self.rank_options = settings, job_id, rank_options
         self.size, self.requested = size, requested
         self.name = job_name(fn, args)
+        self.sources = _traceback.Sources(fn)
         self.claims = WorkerClaims(client, job_id)
         self.datasets: _collections._Datasets | None = None
 
@@ -328,6 +330,7 @@ class Launcher:
                 raise
             return futures
 
+        workers = [p.worker for p in plan]
         return Attempt(
-            run_id, attempt, [p.worker for p in plan], backend, rank0.address, submit, abandon
+            run_id, attempt, workers, backend, rank0.address, submit, abandon, self.sources
         )

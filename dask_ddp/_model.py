@@ -191,6 +191,10 @@ class _RankStatus:
         return bool(self.detail) and self.time >= (prog.last_time or 0.0) - 2.0
 
 
+def _text(error: BaseException | None) -> str | None:
+    return str(error) if error is not None else None
+
+
 def _pick_curve_metric(values: dict[str, float]) -> str:
     if "loss" in values:
         return "loss"
@@ -378,6 +382,9 @@ class JobModel:
                     phase = fut.status if fut is not None else "pending"
                 else:
                     phase = status.phase or "submitted"
+                error = self.rank_errors.get(r) or ""
+                if error.startswith(("failed", "stopped")):
+                    phase = error.split(":", 1)[0]  # not "cancelled": why it ended
                 fresh = status.fresh(prog)
                 ranks.append(
                     {
@@ -406,7 +413,8 @@ class JobModel:
                 "records": len(self.metrics),
                 "ranks": ranks,
                 "metric": self.curve_metric,
-                "error": str(self.error) if self.error is not None else None,
+                "error": getattr(self.error, "summary", None) or _text(self.error),
+                "traceback": getattr(self.error, "rank_traceback", None) or None,
                 "notes": list(self.notes),
                 "output": [
                     f"[rank {o.rank}] {o.text}"

@@ -30,17 +30,39 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class RankComputeFailedFilter(logging.Filter):
-    """Drops a worker's "Compute Failed" record for a rank task (``ddp_<name>_rank<r>-...``)."""
+    """Turns a worker's "Compute Failed" record for a rank task (``ddp_<name>_rank<r>-...``)
+    into one INFO line.
+
+    The client raises the rank's error with its traceback; the worker's ERROR block (key,
+    task, exception and traceback as reprs) would print it again wherever the workers'
+    output goes, a notebook's included (a LocalCluster's workers write to the kernel's
+    stderr). Handlers at WARNING, as a LocalCluster's are, drop the INFO line; a real
+    cluster's worker log, usually at INFO, keeps it for operators.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg, args = record.msg, record.args
-        return not (
+        if (
             isinstance(msg, str)
             and msg.startswith("Compute Failed")
             and isinstance(args, tuple)
-            and bool(args)
+            and len(args) >= 4
             and is_rank_key(args[0])
-        )
+        ):
+            record.msg = "rank task %s failed: %s (the client raises it, with its traceback)"
+            record.args = (args[0], args[3])
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+#: The one filter every worker of a dask-ddp job gets (see events.BlobHandler).
+RANK_FAILURES = RankComputeFailedFilter()
+
+
+def quiet_rank_failures() -> None:
+    """Install :data:`RANK_FAILURES` on this worker process's ``distributed.worker`` log
+    (again is harmless: a logger keeps a filter once)."""
+    logging.getLogger("distributed.worker").addFilter(RANK_FAILURES)
 
 
 def die_with_parent() -> bool:
@@ -71,5 +93,5 @@ def _import_torch() -> None:
 def dask_setup(worker: Any) -> None:
     """Dask's preload hook: runs in each worker process before it registers."""
     die_with_parent()
-    logging.getLogger("distributed.worker").addFilter(RankComputeFailedFilter())
+    quiet_rank_failures()
     threading.Thread(target=_import_torch, name="dask-ddp-import-torch", daemon=True).start()

@@ -11,19 +11,14 @@ waits out the collective timeout. Ranks that stop together at a checkpoint to gr
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import re
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import distributed
 from distributed import Client, KilledWorker
 
-from . import bootstrap
+from . import _traceback, bootstrap
 from ._model import JobModel, JobState
 from .errors import (
     JobCancelledError,
@@ -118,9 +113,12 @@ class AttemptWatch:
         exc = fut.exception()
         if isinstance(exc, KilledWorker):
             self.silent.add(rank)
-        if not isinstance(exc, ResizeStopError):
-            self.model.show_rank_error(rank, f"{type(exc).__name__}: {exc}")
-        return _job_error(rank, self.attempt.workers[rank], fut, exc)
+        failed_first = getattr(exc, "failed_rank", None)
+        if isinstance(exc, RankStoppedError) and failed_first is not None and failed_first >= 0:
+            self.model.show_rank_error(rank, f"stopped: rank {failed_first} failed")
+        elif not isinstance(exc, ResizeStopError):
+            self.model.show_rank_error(rank, f"failed: {type(exc).__name__}: {exc}")
+        return _job_error(rank, self.attempt.workers[rank], fut, exc, self.attempt.sources)
 
     def _fail(self, error: BaseException, finished: set[int]) -> None:
         """Find the first-failing rank's error, stop the rest, and record the outcome."""
@@ -239,33 +237,13 @@ def _drop_store(client: Client, run_id: str, store: str) -> None:
         logger.debug("job %s: store cleanup failed", run_id, exc_info=True)
 
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (sys.modules["dask_ddp"], distributed)
-)
-_CARETS = re.compile(r"^\s*[\^~]+\s*$")
-
-
-def _job_error(rank: int, worker: str, fut: Any, exc: BaseException) -> BaseException:
+def _job_error(
+    rank: int, worker: str, fut: Any, exc: BaseException, sources: _traceback.Sources | None
+) -> BaseException:
     """The job's error for rank ``rank`` whose future ``fut`` raised ``exc``."""
     if isinstance(exc, RankStoppedError):
         return exc
-    text = _user_traceback(exc, fut.traceback())
+    text = _traceback.user_traceback(exc, fut.traceback(), sources)
     error = RankFailedError(rank, worker, fut.key, f"{type(exc).__name__}: {exc}", text)
-    error.__cause__ = exc
+    error.__cause__ = _traceback.rebuild(exc, sources)  # the rank's own frames
     return error
-
-
-def _user_traceback(exc: BaseException, tb: Any) -> str:
-    """The rank's traceback as its author wants it: their own frames, no dask_ddp or
-    distributed frames around them, and no ``^^^`` markers (the column positions do not
-    survive the trip from the worker, so they would point at the wrong place)."""
-    te = traceback.TracebackException(type(exc), exc, tb, compact=True)
-    seen: set[int] = set()
-    part: traceback.TracebackException | None = te
-    while part is not None and id(part) not in seen:
-        seen.add(id(part))
-        kept = [f for f in part.stack if not f.filename.startswith(_LIBRARY_DIRS)]
-        part.stack = traceback.StackSummary.from_list(kept or list(part.stack))
-        part = part.__cause__ or part.__context__
-    lines = "".join(te.format()).splitlines(keepends=True)
-    return "".join(line for line in lines if not _CARETS.match(line))

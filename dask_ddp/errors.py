@@ -194,11 +194,19 @@ class RankFailedError(DaskDDPError):
         self.rank, self.worker, self.key = rank, worker, key
         self.cause, self.rank_traceback = cause, rank_traceback
 
-    def __str__(self) -> str:
-        text = (
+    @property
+    def summary(self) -> str:
+        """The error in one line, without the traceback."""
+        return (
             f"rank {self.rank} failed on {self.worker} (task {self.key}): {self.cause}. "
-            "The other ranks were stopped; fix the error in the rank's traceback"
+            "The other ranks were stopped"
         )
+
+    def __str__(self) -> str:
+        text = f"{self.summary}; fix the error in the rank's traceback"
+        cause = self.__cause__
+        if cause is not None and cause.__traceback__ is not None:
+            return text + " (printed above, as the cause)"  # shown once
         if self.rank_traceback:
             text += f":\n\n{self.rank_traceback.rstrip()}"
         return text

@@ -39,7 +39,7 @@ import msgpack
 from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from . import _dask_internals, _topics
+from . import _dask_internals, _preload, _topics
 from .errors import ChannelError, NotInRankError
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class BlobHandler(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         _dask_internals.add_worker_handler(worker, _HANDLER, _serve_blob)
+        _preload.quiet_rank_failures()  # the client shows a rank's failure, once
 
     def teardown(self, worker: Any) -> None:
         _dask_internals.remove_worker_handler(worker, _HANDLER)

@@ -122,6 +122,14 @@ def _bars(snap: dict[str, Any]) -> list[tuple[int, int]]:
     return [(min(d, top), top) for d in done]
 
 
+def _bar_style(r: dict[str, Any], snap: dict[str, Any]) -> str:
+    """ipywidgets' colour of a rank's bar: red where it failed, amber where it was stopped."""
+    error = r.get("error") or ""
+    if error:
+        return "warning" if error.startswith("stopped") else "danger"
+    return "success" if snap["state"] == "succeeded" else "info"
+
+
 def _interval(seconds: float) -> str:
     """``1:02:03`` or ``02:03``, as tqdm shows times."""
     minutes, secs = divmod(int(seconds), 60)
@@ -132,6 +140,9 @@ def _interval(seconds: float) -> str:
 def _rank_text(r: dict[str, Any], snap: dict[str, Any]) -> str:
     """The rank's progress and latest metrics, or what it waits for; then what it is busy
     with. With the job's total steps: n/total, percent, elapsed, time left and steps/s."""
+    if r.get("error"):  # "failed: ValueError: ..." or "stopped: rank 1 failed"
+        done = f"step {r['step']} · " if r.get("step") is not None else ""
+        return f"{done}<span style='color:#d33'>{html.escape(_short(r['error']))}</span>"
     activity = html.escape(r.get("activity") or "")
     if not r["count"]:
         return activity or _WAITING.get(r["status"], "")
@@ -164,16 +175,32 @@ def _title(snap: dict[str, Any]) -> str:
     )
 
 
+def _short(text: str, limit: int = 160) -> str:
+    """The first line of ``text``, cut at a word boundary to at most ``limit`` characters.
+
+    >>> _short("failed: ValueError: a b c d", 18)
+    'failed: ValueError…'
+    """
+    line = text.split("\n", 1)[0]
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" :,;") + "…"
+
+
 def _errors_html(snap: dict[str, Any]) -> str:
-    parts = [
-        f"<div style='color:#b00'>rank {r['rank']}: {html.escape(r['error'])}</div>"
-        for r in snap["ranks"]
-        if r["error"]
-    ]
+    """The job's error once: its first line, the rank's traceback folded under it; then
+    notes and what the job waits for. Each rank's own state is in its row."""
+    parts = []
     if snap["error"]:
-        parts.append(
-            f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(snap['error'])}</pre>"
-        )
+        headline, _, rest = snap["error"].partition("\n")
+        parts.append(f"<div style='color:#d33'>{html.escape(headline)}</div>")
+        folded = snap.get("traceback") or rest.strip()
+        if folded:
+            parts.append(
+                "<details><summary>traceback</summary><pre style='white-space:pre-wrap;"
+                f"margin:2px 0'>{html.escape(folded)}</pre></details>"
+            )
     parts += [f"<div style='color:#a60'>{html.escape(n)}</div>" for n in snap["notes"]]
     if snap.get("waiting"):
         parts.append(f"<div style='color:#a60'>{html.escape(snap['waiting'])}</div>")
@@ -254,9 +281,7 @@ class WidgetView:
         shown = zip(self._bars, self._labels, snap["ranks"], _bars(snap), strict=True)
         for bar, label, r, (value, top) in shown:
             bar.max, bar.value = top, value  # max first: value never exceeds it
-            bar.bar_style = (
-                "danger" if r["error"] else "success" if snap["state"] == "succeeded" else "info"
-            )
+            bar.bar_style = _bar_style(r, snap)
             label.value = _rank_text(r, snap)
         plot = _svg_curve(snap["ranks"], snap["metric"])
         if plot != self._plot.value:

@@ -1,0 +1,144 @@
+"""A failed rank's traceback as its author reads it, on the client.
+
+The rank's exception comes back through Dask with every frame of the worker: Dask's task
+machinery and dask-ddp's around the user's own. And cloudpickle sends a function defined
+in ``__main__`` or a notebook cell by value, naming its file ``<dynamic-code>`` (it keeps
+the line numbers), so its frames show no source line and no "Cell In[n]". Here the
+traceback keeps the user's frames only, and those frames get back the file (or notebook
+cell) and source line that the client's copy of the function knows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import re
+import sys
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dask
+import distributed
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (sys.modules["dask_ddp"], distributed, dask)
+)
+_DYNAMIC = "<dynamic-code>"  # the file name cloudpickle gives code it sends by value
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+
+
+def _codes(fn: Any) -> Iterator[types.CodeType]:
+    """The code objects of ``fn`` and of the functions, lambdas and classes defined in it."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    fn = getattr(fn, "__func__", fn)  # bound method
+    code = getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None)
+    todo = [code] if isinstance(code, types.CodeType) else []
+    while todo:
+        code = todo.pop()
+        yield code
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+
+
+class Sources:
+    """Where the client's copy of a job's function lives: file and lines of each code object.
+
+    >>> def train():
+    ...     return 1
+    >>> file, shown = Sources(train).place("train", train.__code__.co_firstlineno + 1)
+    >>> file == train.__code__.co_filename, shown == f'File "{file}"'
+    (True, True)
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._spans: dict[str, list[tuple[int, int, str]]] = {}
+        for code in _codes(fn):
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            first, last = code.co_firstlineno, max(lines, default=code.co_firstlineno)
+            self._spans.setdefault(code.co_name, []).append((first, last, code.co_filename))
+
+    def place(self, name: str, lineno: int) -> tuple[str, str] | None:
+        """(file, shown name) of the frame ``name`` at ``lineno`` sent as dynamic code."""
+        for first, last, filename in self._spans.get(name, ()):
+            if first <= lineno <= last:
+                return filename, _cell_name(filename)
+        return None
+
+
+def _cell_name(filename: str) -> str:
+    """``Cell In[3]`` for a notebook cell's file (as IPython names it), else the file."""
+    ip = sys.modules.get("IPython")
+    shell = ip.get_ipython() if ip is not None and hasattr(ip, "get_ipython") else None
+    try:
+        named = shell.compile.format_code_name(filename) if shell is not None else None
+    except Exception:  # an IPython without it
+        named = None
+    return f"{named[0]} {named[1]}" if named else f'File "{filename}"'
+
+
+def user_traceback(exc: BaseException, tb: Any, sources: Sources | None = None) -> str:
+    """The rank's traceback as its author wants it: their own frames, named as their
+    editor or notebook names them, no dask, distributed or dask_ddp frames around them,
+    and no ``^^^`` markers (the column positions do not survive the trip from the worker,
+    so they would point at the wrong place)."""
+    te = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    seen: set[int] = set()
+    names: dict[str, str] = {}  # a frame's file -> the name it is shown under
+    part: traceback.TracebackException | None = te
+    while part is not None and id(part) not in seen:
+        seen.add(id(part))
+        kept = []
+        for frame in part.stack:
+            if frame.filename.startswith(_LIBRARY_DIRS):
+                continue
+            if frame.filename == _DYNAMIC and sources is not None:
+                placed = sources.place(frame.name, frame.lineno)
+                if placed is not None:
+                    filename, names[filename] = placed
+                    line = linecache.getline(filename, frame.lineno).strip()
+                    frame = traceback.FrameSummary(
+                        filename, frame.lineno, frame.name, line=line or None
+                    )
+            kept.append(frame)
+        part.stack = traceback.StackSummary.from_list(kept or list(part.stack))
+        part = part.__cause__ or part.__context__
+    lines = "".join(te.format()).splitlines(keepends=True)
+    text = "".join(line for line in lines if not _CARETS.match(line))
+    for filename, shown in names.items():
+        text = text.replace(f'File "{filename}"', shown)
+    return text
+
+
+def rebuild(exc: BaseException, sources: Sources | None = None) -> BaseException:
+    """``exc`` with a traceback of the rank's own frames only, each under its real file
+    (a notebook's cell file, so IPython shows "Cell In[n]" and the source line). Python
+    and IPython then print the rank's error once, as the cause of the job's error."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        filename, name = code.co_filename, code.co_name
+        if not filename.startswith(_LIBRARY_DIRS):
+            if filename == _DYNAMIC and sources is not None:
+                placed = sources.place(name, tb.tb_lineno)
+                filename = placed[0] if placed is not None else filename
+            frames.append((filename, name, tb.tb_lineno))
+        tb = tb.tb_next
+    if not frames:
+        return exc
+    import tblib  # distributed's dependency: it carries tracebacks between processes
+
+    node: dict[str, Any] | None = None
+    for filename, name, lineno in reversed(frames):
+        frame = {"co_filename": filename, "co_name": name}
+        node = {
+            "tb_frame": {"f_code": frame, "f_globals": {"__name__": "__rank__"},
+                         "f_locals": {}, "f_lineno": lineno},
+            "tb_lineno": lineno,
+            "tb_next": node,
+        }  # fmt: skip
+    with contextlib.suppress(Exception):  # a tblib that cannot: keep Dask's traceback
+        exc.__traceback__ = tblib.Traceback.from_dict(node).as_traceback()
+    return exc

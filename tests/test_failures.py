@@ -1,0 +1,83 @@
+"""A failing job reads once and cleanly: in the view, in the raised error, in the output."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+from distributed import Client
+
+import dask_ddp
+from dask_ddp import _traceback, view
+from tests.conftest import make_cluster
+
+
+def _fail_on_rank_1() -> None:
+    for step in range(3):
+        dask_ddp.report({"loss": 1.0 / (step + 1)}, step=step)
+    if dask_ddp.get_context().rank == 1:
+        raise ValueError("bad batch at step 2")  # the line the traceback must show
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def test_the_error_is_raised_from_the_rank_s_own_traceback(client: Client):
+    job = dask_ddp.launch(client, _fail_on_rank_1)
+    with pytest.raises(dask_ddp.RankFailedError) as info:
+        job.result(timeout=120)
+    err = info.value
+    cause = err.__cause__
+    assert isinstance(cause, ValueError)
+    frames = traceback.extract_tb(cause.__traceback__)
+    # Only the rank's own frame, under its file and at the line that raised.
+    assert [(f.filename, f.name) for f in frames] == [(__file__, "_fail_on_rank_1")]
+    assert (
+        frames[0].line
+        == 'raise ValueError("bad batch at step 2")  # the line the traceback must show'
+    )
+    printed = "".join(traceback.format_exception(err))
+    assert printed.count("bad batch at step 2") == 3  # cause line, its source, the summary
+    assert "distributed" not in printed.split("direct cause")[0]  # no Dask frames
+    assert "bootstrap.py" not in printed
+    assert "(printed above, as the cause)" in str(err)
+    assert 'raise ValueError("bad batch at step 2")' in err.rank_traceback
+
+
+def test_the_view_shows_the_error_once_and_marks_the_stopped_rank(client: Client):
+    job = dask_ddp.launch(client, _fail_on_rank_1)
+    with pytest.raises(dask_ddp.RankFailedError):
+        job.result(timeout=120)
+    snap = job.view_state()
+    assert [r["status"] for r in snap["ranks"]] == ["stopped", "failed"]
+    assert snap["ranks"][0]["error"] == "stopped: rank 1 failed"
+    assert snap["ranks"][1]["error"] == "failed: ValueError: bad batch at step 2"
+    page = view.render_html(snap)
+    assert page.count("The other ranks were stopped") == 1
+    assert page.count("<details>") == 1  # the traceback, folded once
+    assert "printed above" not in page
+    assert page.count("Traceback (most recent call last)") == 1
+
+
+def test_a_notebook_cell_s_function_is_named_as_ipython_names_it():
+    shell = pytest.importorskip("IPython.core.interactiveshell").InteractiveShell.instance()
+    try:
+        shell.run_cell("def train():\n    x = 1\n    raise ValueError(x)\n")
+        fn = shell.user_ns["train"]
+        filename, shown = _traceback.Sources(fn).place("train", fn.__code__.co_firstlineno + 2)
+        assert filename == fn.__code__.co_filename
+        assert shown.startswith("Cell In[")
+    finally:
+        shell.clear_instance()
+
+
+def test_workers_keep_rank_failures_out_of_the_client_s_output(capfd: pytest.CaptureFixture):
+    """A LocalCluster's workers write to the client's stderr (a notebook's cell output):
+    the rank's failure is raised once, not again as each worker's "Compute Failed" block."""
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        job = dask_ddp.launch(client, _fail_on_rank_1)
+        with pytest.raises(dask_ddp.RankFailedError):
+            job.result(timeout=120)
+        job._wait_stopped(60)
+    out, errors = capfd.readouterr()
+    assert "Compute Failed" not in out + errors
