@@ -334,6 +334,16 @@ def get_checkpoint() -> Any:
     return None if found is None else found[1]
 
 
+def _latest_checkpoint_url() -> str | None:
+    """The URL of the job's newest checkpoint file, for libraries that load their own
+    checkpoints from a path (Lightning's ``ckpt_path``); None when there is none."""
+    settings = _active_run("get_checkpoint").checkpointing or _Checkpointing(None)
+    if settings.directory is None:
+        return None
+    found = _checkpoint.list_checkpoints(settings.directory, settings.storage_options)
+    return found[-1][1] if found else None
+
+
 def get_dataset_shard(name: str) -> DatasetShard:
     """This rank's share of the dataset passed as ``launch(..., datasets={name: ...})``.
 

@@ -117,3 +117,66 @@ def test_the_logger_outside_a_rank_sends_nothing_and_says_so_once(caplog) -> Non
     log.log_metrics({"loss": torch.tensor(0.5), "note": "text"}, step=1)
     log.log_metrics({"loss": 0.4}, step=2)
     assert caplog.text.count("outside a dask_ddp rank") == 1
+
+
+def _fit_failing_once(root: str) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dask_ddp.integrations.lightning import DaskDDPCheckpoint
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ctx = dask_ddp.get_context()
+    seen: dict = {}
+
+    class Watch(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen["started_at"] = trainer.global_step
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if ctx.attempt == 0 and ctx.rank == 1 and trainer.global_step == 10:
+                raise dask_ddp.RetryableError("rank 1 lost its feature store at step 10")
+
+    data = TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=ctx.local_world_size,
+        num_nodes=ctx.world_size // ctx.local_world_size, strategy="ddp", max_steps=16,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[
+            ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1),
+            DaskDDPCheckpoint(),  # the line added
+            Watch(),
+        ],
+    )  # fmt: skip
+    resume = DaskDDPCheckpoint.resume_path()
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8), ckpt_path=resume)
+    return {"resume": resume, "started_at": seen["started_at"], "end": trainer.global_step}
+
+
+@pytest.mark.slow
+def test_lightning_checkpoints_go_to_the_job_and_a_restart_resumes_there(
+    client: Client, tmp_path
+) -> None:
+    job = dask_ddp.launch(
+        client, _fit_failing_once, (str(tmp_path / "lightning"),),
+        checkpoint_dir=str(tmp_path / "job"), max_restarts=1,
+    )  # fmt: skip
+    out = job.result(timeout=240)
+    assert job.attempts == 2
+    # The second attempt resumed from the job's newest checkpoint: Lightning's own, of step 8.
+    assert [o["resume"].rsplit("/", 1)[-1] for o in out] == ["checkpoint-000000000008.pt"] * 2
+    assert [o["started_at"] for o in out] == [8, 8]
+    assert [o["end"] for o in out] == [16, 16]
+    assert [c.step for c in job.checkpoints] == [4, 8, 12, 16]

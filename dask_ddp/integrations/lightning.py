@@ -1,14 +1,22 @@
-"""A PyTorch Lightning logger that sends logged metrics to the dask_ddp client.
+"""PyTorch Lightning, reporting to dask_ddp: a logger for metrics, a callback for checkpoints.
 
-Add it to the ``Trainer`` and what the module logs with ``self.log(...)`` reaches
-:attr:`Job.metrics <dask_ddp.Job.metrics>`, the live view and ``launch(on_report=...)``, from
-every rank (Lightning calls a logger on each rank; its own file loggers write on rank 0
-only). Outside a dask_ddp rank it logs nothing and says so once.
+Add :class:`DaskDDPLogger` to the ``Trainer`` and what the module logs with
+``self.log(...)`` reaches :attr:`Job.metrics <dask_ddp.Job.metrics>`, the live view and
+``launch(on_report=...)``, from every rank (Lightning calls a logger on each rank; its own
+file loggers write on rank 0 only). Outside a dask_ddp rank it logs nothing and says so once.
+
+Add :class:`DaskDDPCheckpoint` and every checkpoint the Trainer saves (its
+``ModelCheckpoint``, ``trainer.save_checkpoint``) also goes to the job's ``checkpoint_dir``
+through :func:`dask_ddp.save_checkpoint`, so ``Job.checkpoints`` lists it and a restarted
+or resized job resumes from it with ``ckpt_path=DaskDDPCheckpoint.resume_path()``.
 
 Examples
 --------
->>> from dask_ddp.integrations.lightning import DaskDDPLogger   # doctest: +SKIP
->>> trainer = L.Trainer(logger=DaskDDPLogger(), strategy="ddp", ...)  # doctest: +SKIP
+>>> from dask_ddp.integrations.lightning import DaskDDPCheckpoint, DaskDDPLogger
+>>> trainer = L.Trainer(                                    # doctest: +SKIP
+...     logger=DaskDDPLogger(), callbacks=[DaskDDPCheckpoint()], strategy="ddp", ...
+... )
+>>> trainer.fit(model, data, ckpt_path=DaskDDPCheckpoint.resume_path())  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,12 +26,13 @@ from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
 from ..errors import NotInRankError
 from ._values import numeric_values
 
-__all__ = ["DaskDDPLogger"]
+__all__ = ["DaskDDPCheckpoint", "DaskDDPLogger"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,3 +92,40 @@ class DaskDDPLogger(Logger):
                     "DaskDDPLogger outside a dask_ddp rank: metrics are not sent anywhere "
                     "(run the script with dask_ddp.launch_script or python -m dask_ddp)"
                 )
+
+
+class DaskDDPCheckpoint(Callback):
+    """Sends each checkpoint the Trainer saves to :func:`dask_ddp.save_checkpoint`.
+
+    Lightning builds the checkpoint on every rank and calls this hook on each, so the call
+    happens on every rank as dask_ddp asks (rank 0 writes; an elastic job may stop there to
+    grow). The file is Lightning's own checkpoint, at the job's ``checkpoint_dir`` as
+    ``checkpoint-<global step>.pt``: Lightning resumes from it by URL (any fsspec URL).
+    Outside a dask_ddp rank, or in a job without ``checkpoint_dir``, it does nothing.
+
+    Examples
+    --------
+    >>> ckpt = ModelCheckpoint(every_n_train_steps=100)                   # doctest: +SKIP
+    >>> trainer = L.Trainer(callbacks=[ckpt, DaskDDPCheckpoint()], ...)   # doctest: +SKIP
+    >>> trainer.fit(model, data, ckpt_path=DaskDDPCheckpoint.resume_path())  # doctest: +SKIP
+    """
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        from .. import save_checkpoint
+        from ..errors import CheckpointDirMissingError
+
+        try:
+            save_checkpoint(checkpoint, step=int(trainer.global_step))
+        except (NotInRankError, CheckpointDirMissingError) as exc:
+            logger.debug("DaskDDPCheckpoint: not forwarded (%s)", exc)
+
+    @staticmethod
+    def resume_path() -> str | None:
+        """The job's newest checkpoint, for ``trainer.fit(..., ckpt_path=)``: None on a
+        job's first attempt, without ``checkpoint_dir``, or outside a dask_ddp rank."""
+        from ..context import _latest_checkpoint_url
+
+        try:
+            return _latest_checkpoint_url()
+        except NotInRankError:
+            return None
