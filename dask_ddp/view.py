@@ -178,7 +178,7 @@ def _title(snap: dict[str, Any]) -> str:
 def _short(text: str, limit: int = 160) -> str:
     """The first line of ``text``, cut at a word boundary to at most ``limit`` characters.
 
-    >>> _short("failed: ValueError: a b c d", 18)
+    >>> _short("failed: ValueError: bad batch", 24)
     'failed: ValueError…'
     """
     line = text.split("\n", 1)[0]
