@@ -290,7 +290,7 @@ class Job:
         --------
         >>> job = dask_ddp.launch(client, train)  # doctest: +SKIP
         >>> job.watch()                           # doctest: +SKIP
-        job 3f2a9c: 1200 records [00:12, 98.1 records/s, r0 step 599 loss 0.31 | r1 ...]
+        job 3f2a9c: 1200 reports [00:12, 98.1 reports/s, r0 step 599 loss 0.31 | r1 ...]
         """
         view.watch_progress(self._model, file)
 
@@ -341,7 +341,7 @@ class Job:
     def __repr__(self) -> str:
         return (
             f"<dask_ddp.Job {self.job_id}: {self.state.value}, {self.world_size} ranks, "
-            f"{self.backend}, {len(self._model.metrics)} records>"
+            f"{self.backend}, {len(self._model.metrics)} reports>"
         )
 
     def _repr_html_(self) -> str:

@@ -326,7 +326,7 @@ def progress_line(snap: dict[str, Any]) -> str:
         if rank["count"] == 0:
             parts.append(f"r{r} {rank['status']}{busy}")
             continue
-        where = f" step {rank['step']}" if rank["step"] is not None else f" {rank['count']} rec"
+        where = f" step {rank['step']}" if rank["step"] is not None else f" {rank['count']} reports"
         shown = ", ".join(f"{k} {fmt(v)}" for k, v in list(rank["last"].items())[:2])
         parts.append(f"r{r}{where}" + (f" {shown}" if shown else "") + busy)
     if snap.get("waiting"):
@@ -341,7 +341,7 @@ def watch_progress(model: Any, file: Any = None) -> None:
     """
     from tqdm.auto import tqdm
 
-    with tqdm(desc=f"job {model.job_id}", unit=" records", file=file) as bar:
+    with tqdm(desc=f"job {model.job_id}", unit=" reports", file=file) as bar:
         shown, line = 0, ""
         for count, line in model.progress_lines():
             bar.set_postfix_str(line, refresh=False)

@@ -22,7 +22,7 @@ from dask.utils import key_split
 from distributed import Client, Event
 
 import dask_ddp
-from dask_ddp import DashboardUnavailableWarning
+from dask_ddp import DashboardUnavailableWarning, view
 
 ARTIFACTS = Path(os.environ.get("DASK_DDP_ARTIFACTS", Path(__file__).parent.parent / "artifacts"))
 
@@ -266,3 +266,48 @@ def test_the_scheduler_preload_serves_the_page_and_a_labextension_panel(tmp_path
             job = dask_ddp.launch(client, train)
             assert job.result(timeout=120) == [0, 1]
         assert _until(lambda: (j := _job_json(client, job.job_id)) and j["state"] == "succeeded")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium package")
+@pytest.mark.parametrize(
+    ("theme", "background", "text"),
+    [("light", "#ffffff", "#000000"), ("dark", "#111111", "#e0e0e0")],
+)
+def test_the_view_reads_in_light_and_dark_themes(
+    theme: str, background: str, text: str, tmp_path: Path
+) -> None:
+    """The view's curve takes the surrounding text colour (as JupyterLab's themes set it):
+    drawn in headless Chromium on each theme's colours, its tick labels are there to read,
+    not black on black."""
+    from PIL import Image
+
+    ranks = [
+        {"rank": r, "worker": f"tcp://10.0.0.{r}:1", "status": "pending", "activity": "",
+         "count": 50, "step": 49, "last": {"loss": 0.01}, "rate": 10.0, "step_rate": 10.0,
+         "error": None, "curve": [(float(s), 2.3 / (1 + s) ** 2) for s in range(50)]}
+        for r in range(2)
+    ]  # fmt: skip
+    snap = {"job": "3f2a9c1b2d4e", "state": "running", "waiting": None, "total": 100,
+            "backend": "gloo", "elapsed": 5.0, "records": 100, "ranks": ranks,
+            "metric": "loss", "error": None, "notes": [], "output": []}  # fmt: skip
+    page = tmp_path / f"view-{theme}.html"
+    page.write_text(
+        f"<html><head><meta charset='utf-8'></head>"
+        f"<body style='margin:0;background:{background};color:{text}'>"
+        f"{view.render_html(snap)}</body></html>"
+    )
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / f"view-{theme}.png"
+    subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+         "--window-size=700,400", page.as_uri()],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    image = Image.open(shot).convert("L")
+    svg_top = 12 + 22 * 3  # below the title and the two rank rows
+    ticks = image.crop((0, svg_top, 50, svg_top + 140))  # the y tick labels' column
+    want = Image.new("L", (1, 1), text).getpixel((0, 0))
+    counts = ticks.histogram()  # pixels per grey level
+    near_text = sum(counts[max(0, want - 60) : want + 60])
+    assert near_text > 30, f"no {theme} tick labels in the text colour: {shot}"
