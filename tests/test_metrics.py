@@ -319,7 +319,7 @@ def test_watch_draws_a_progress_line(client: Client) -> None:
     assert job.done() and job.result(timeout=60) == [300, 300]
     line = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
     assert f"job {job.job_id}" in line
-    assert "600 records" in line and "succeeded" in line and "r1 step 299" in line
+    assert "600 reports" in line and "succeeded" in line and "r1 step 299" in line
 
 
 @pytest.mark.slow
