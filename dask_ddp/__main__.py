@@ -225,6 +225,11 @@ def _run_job(client: Any, opts: argparse.Namespace, *, own_cluster: bool) -> int
             log.warning("job %s: its ranks were still being stopped at exit", job.job_id)
         return 1
     log.info("job %s: every rank finished", job.job_id)
+    if job.metrics:  # what the script reported (report(), or a library's dask_ddp logger)
+        from .view import progress_line
+
+        log.info("job %s: %d reports; last: %s", job.job_id, len(job.metrics),
+                 progress_line(job.view_state()))  # fmt: skip
     return 0
 
 

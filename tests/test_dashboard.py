@@ -311,3 +311,28 @@ def test_the_view_reads_in_light_and_dark_themes(
     counts = ticks.histogram()  # pixels per grey level
     near_text = sum(counts[max(0, want - 60) : want + 60])
     assert near_text > 30, f"no {theme} tick labels in the text colour: {shot}"
+
+
+def test_the_scheduler_keeps_a_capped_summary_of_the_last_jobs() -> None:
+    """Scheduler memory stays bounded: the latest summary of the last max-jobs jobs (the
+    oldest finished one goes first), curves thinned, no printed output."""
+    from dask_ddp._dashboard import DashboardPlugin
+
+    plugin = DashboardPlugin(max_jobs=3)
+    for i in range(5):
+        rank = {"rank": 0, "step": 4999, "step_rate": 10.0, "error": "x" * 100_000,
+                "last": {f"m{k}": float(k) for k in range(100)},
+                "curve": [(float(s), 1.0 / (s + 1)) for s in range(5000)]}  # fmt: skip
+        state = "running" if i == 0 else "succeeded"
+        plugin.update(
+            {"job": f"job{i}", "state": state, "ranks": [rank], "metric": "m1",
+             "notes": ["n"] * 500, "output": ["line"] * 1000},
+            client="Client-1",
+        )  # fmt: skip
+    assert list(plugin.jobs) == ["job0", "job3", "job4"]  # the running one is kept
+    kept = plugin.jobs["job4"]
+    assert "output" not in kept and len(kept["notes"]) == 20
+    assert len(kept["ranks"][0]["curve"]) <= 201 and len(kept["ranks"][0]["last"]) == 16
+    assert len(kept["ranks"][0]["error"]) == 20_000
+    assert [r["job"] for r in plugin.rows()] == ["job4", "job3", "job0"]
+    assert plugin.rows()[0]["client"] == "Client-1" and plugin.rows()[0]["value"] == 1.0
