@@ -150,18 +150,22 @@ class DashboardPlugin(SchedulerPlugin):
         _collector().plugins.discard(self)
 
     def update(self, job: dict[str, Any], client: str | None = None, **_: Any) -> None:
-        """A job's summary arrived from the client ``client`` (the stream handler)."""
-        if not isinstance(job, dict) or not isinstance(job.get("job"), str):
+        """A job's summary arrived from the client ``client`` (the stream handler: an
+        exception here would close that client's connection, so none leaves)."""
+        try:
+            kept = summary(job, client=client, updated=time.time())
+            if not isinstance(kept.get("job"), str) or not isinstance(kept.get("state"), str):
+                raise ValueError("no job id or state")
+        except Exception:
+            logger.warning("dask-ddp dashboard: a summary from %s ignored", client, exc_info=True)
             return
-        kept = summary(job, client=client, updated=time.time())
-        self.jobs.pop(kept["job"], None)
-        self.jobs[kept["job"]] = kept
+        self.jobs[kept["job"]] = kept  # a known job keeps its place: the list is by launch
         while len(self.jobs) > self.max_jobs:  # forget the oldest finished job, else the oldest
             old = next((k for k, j in self.jobs.items() if j["state"] in _FINAL), None)
             del self.jobs[old if old is not None else next(iter(self.jobs))]
 
     def rows(self) -> list[dict[str, Any]]:
-        """Every job's line, newest first."""
+        """Every job's line, the newest launched first."""
         return [_row(j) for j in reversed(self.jobs.values())]
 
 

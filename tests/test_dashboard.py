@@ -336,3 +336,6 @@ def test_the_scheduler_keeps_a_capped_summary_of_the_last_jobs() -> None:
     assert len(kept["ranks"][0]["error"]) == 20_000
     assert [r["job"] for r in plugin.rows()] == ["job4", "job3", "job0"]
     assert plugin.rows()[0]["client"] == "Client-1" and plugin.rows()[0]["value"] == 1.0
+    plugin.update({"job": "job5", "ranks": "not a list"}, client="Client-2")  # bad input
+    plugin.update("not a summary", client="Client-2")
+    assert list(plugin.jobs) == ["job0", "job3", "job4"]  # ignored, nothing lost
