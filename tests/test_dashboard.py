@@ -339,3 +339,34 @@ def test_the_scheduler_keeps_a_capped_summary_of_the_last_jobs() -> None:
     plugin.update({"job": "job5", "ranks": "not a list"}, client="Client-2")  # bad input
     plugin.update("not a summary", client="Client-2")
     assert list(plugin.jobs) == ["job0", "job3", "job4"]  # ignored, nothing lost
+
+
+def test_the_bokeh_panel_draws_the_jobs_and_the_running_one() -> None:
+    """The panel's document, built as the scheduler's Bokeh server builds it: the list of
+    jobs and the running job drawn as the notebook draws it, refreshed every second."""
+    pytest.importorskip("bokeh")
+    from bokeh.document import Document
+
+    from dask_ddp import dashboard
+    from dask_ddp._dashboard import PLUGIN_NAME, DashboardPlugin
+
+    plugin = DashboardPlugin(max_jobs=10)
+    rank = {"rank": 0, "worker": "tcp://10.0.0.1:1", "status": "running", "activity": "",
+            "count": 3, "step": 2, "last": {"loss": 0.5}, "rate": 1.0, "step_rate": 1.0,
+            "error": None, "curve": [(0.0, 1.0), (1.0, 0.7), (2.0, 0.5)]}  # fmt: skip
+    for job, state in (("aaaaaaaaaaaa", "succeeded"), ("bbbbbbbbbbbb", "running")):
+        plugin.update(
+            {"job": job, "state": state, "ranks": [rank], "metric": "loss", "notes": [],
+             "backend": "gloo", "elapsed": 3.0, "records": 3, "total": None, "error": None},
+            client="Client-1",
+        )  # fmt: skip
+
+    class Scheduler:
+        plugins = {PLUGIN_NAME: plugin}
+
+    doc = Document()
+    dashboard._panel(Scheduler(), {"prefix": "/"}, doc)
+    text = doc.roots[0].text
+    assert "aaaaaaaaaaaa" in text and "dask_ddp job bbbbbbbbbbbb</b>: running" in text
+    assert "<svg" in text and "href='/ddp/jobs/aaaaaaaaaaaa'" in text
+    assert doc.title == "dask-ddp jobs" and doc.session_callbacks  # refreshed while open
