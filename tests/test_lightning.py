@@ -12,9 +12,9 @@ import dask_ddp
 pytest.importorskip("lightning")
 
 
-def _fit_with_lightning() -> dict:
+def _tiny_module() -> torch.nn.Module:
+    """A one-layer LightningModule (defined here: Lightning is imported in the rank)."""
     import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
 
     class Tiny(L.LightningModule):
         def __init__(self) -> None:
@@ -27,6 +27,13 @@ def _fit_with_lightning() -> dict:
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Tiny()
+
+
+def _fit_with_lightning() -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
 
     ctx = dask_ddp.get_context()
     torch.manual_seed(ctx.rank)  # different data per rank; DDP keeps the weights equal
@@ -42,7 +49,7 @@ def _fit_with_lightning() -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Tiny()
+    model = _tiny_module()
     torch.manual_seed(0)
     model.layer.reset_parameters()
     trainer.fit(model, DataLoader(data, batch_size=8))
@@ -126,18 +133,6 @@ def _fit_failing_once(root: str) -> dict:
 
     from dask_ddp.integrations.lightning import DaskDDPCheckpoint
 
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     ctx = dask_ddp.get_context()
     seen: dict = {}
 
@@ -161,7 +156,7 @@ def _fit_failing_once(root: str) -> dict:
         ],
     )  # fmt: skip
     resume = DaskDDPCheckpoint.resume_path()
-    trainer.fit(Tiny(), DataLoader(data, batch_size=8), ckpt_path=resume)
+    trainer.fit(_tiny_module(), DataLoader(data, batch_size=8), ckpt_path=resume)
     return {"resume": resume, "started_at": seen["started_at"], "end": trainer.global_step}
 
 
