@@ -183,9 +183,9 @@ def test_a_library_script_s_logged_metrics_reach_the_command_line(
     values the command prints when it ends."""
     pytest.importorskip(library)
     if library == "lightning":
-        from tests.test_lightning import LIGHTNING_SCRIPT as source
+        from test_lightning import LIGHTNING_SCRIPT as source
     else:
-        from tests.test_accelerate import ACCELERATE_SCRIPT as source
+        from test_accelerate import ACCELERATE_SCRIPT as source
     script = tmp_path / f"train_{library}.py"
     script.write_text(source)
     result, _, _ = _cli(str(script))

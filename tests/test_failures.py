@@ -5,11 +5,11 @@ from __future__ import annotations
 import traceback
 
 import pytest
+from conftest import make_cluster
 from distributed import Client
 
 import dask_ddp
 from dask_ddp import _traceback, view
-from tests.conftest import make_cluster
 
 
 def _fail_on_rank_1() -> None:
