@@ -5,8 +5,7 @@ from __future__ import annotations
 import traceback
 
 import pytest
-from conftest import make_cluster
-from distributed import Client
+from distributed import Client, LocalCluster
 
 import dask_ddp
 from dask_ddp import _traceback, view
@@ -74,7 +73,9 @@ def test_a_notebook_cell_s_function_is_named_as_ipython_names_it():
 def test_workers_keep_rank_failures_out_of_the_client_s_output(capfd: pytest.CaptureFixture):
     """A LocalCluster's workers write to the client's stderr (a notebook's cell output):
     the rank's failure is raised once, not again as each worker's "Compute Failed" block."""
-    with make_cluster(2) as cluster, Client(cluster) as client:
+    # Started inside the test, so that its workers write to the stderr capfd reads.
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0")
+    with cluster, Client(cluster) as client:
         job = dask_ddp.launch(client, _fail_on_rank_1)
         with pytest.raises(dask_ddp.RankFailedError):
             job.result(timeout=120)
