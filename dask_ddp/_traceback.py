@@ -47,9 +47,11 @@ class Sources:
 
     >>> def train():
     ...     return 1
-    >>> file, shown = Sources(train).place("train", train.__code__.co_firstlineno + 1)
+    >>> file, shown, first = Sources(train).place("train", train.__code__.co_firstlineno + 1)
     >>> file == train.__code__.co_filename, shown == f'File "{file}"'
     (True, True)
+    >>> first == train.__code__.co_firstlineno
+    True
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -59,11 +61,12 @@ class Sources:
             first, last = code.co_firstlineno, max(lines, default=code.co_firstlineno)
             self._spans.setdefault(code.co_name, []).append((first, last, code.co_filename))
 
-    def place(self, name: str, lineno: int) -> tuple[str, str] | None:
-        """(file, shown name) of the frame ``name`` at ``lineno`` sent as dynamic code."""
+    def place(self, name: str, lineno: int) -> tuple[str, str, int] | None:
+        """(file, shown name, the code's first line) of the frame ``name`` at ``lineno``
+        sent as dynamic code."""
         for first, last, filename in self._spans.get(name, ()):
             if first <= lineno <= last:
-                return filename, _cell_name(filename)
+                return filename, _cell_name(filename), first
         return None
 
 
@@ -96,7 +99,7 @@ def user_traceback(exc: BaseException, tb: Any, sources: Sources | None = None) 
             if frame.filename == _DYNAMIC and sources is not None:
                 placed = sources.place(frame.name, frame.lineno)
                 if placed is not None:
-                    filename, names[filename] = placed
+                    filename, names[filename], _ = placed
                     line = linecache.getline(filename, frame.lineno).strip()
                     frame = traceback.FrameSummary(
                         filename, frame.lineno, frame.name, line=line or None
@@ -111,34 +114,52 @@ def user_traceback(exc: BaseException, tb: Any, sources: Sources | None = None) 
     return text
 
 
+class _Rebuilt(Exception):
+    pass
+
+
+def _traceback_of(frames: list[tuple[str, str, int, int]]) -> types.TracebackType | None:
+    """A real traceback through ``frames`` (file, name, line, first line of the code), made
+    as tblib does, by raising from stub code placed at each line; but each stub starts at
+    its function's first line, so that IPython (stack_data) finds the function and shows
+    the line that raised rather than the ``def`` line."""
+    top: types.TracebackType | None = None
+    last: types.TracebackType | None = None
+    for filename, name, lineno, first in frames:
+        # As wide as the real line, so that Python draws no ^^^ under the wrong columns.
+        width = len(linecache.getline(filename, lineno).strip())
+        line = "raise (_Rebuilt" + " " * max(0, width - 16) + ")"
+        stub = compile("\n" * (lineno - first) + line, filename, "exec")
+        code = stub.replace(co_firstlineno=first, co_name=name)
+        try:
+            exec(code, {"_Rebuilt": _Rebuilt, "__name__": "__rank__"})
+        except _Rebuilt:
+            tb = sys.exc_info()[2].tb_next  # the stub's frame, without this one
+        if last is None:
+            top = tb
+        else:
+            last.tb_next = tb
+        last = tb
+    return top
+
+
 def rebuild(exc: BaseException, sources: Sources | None = None) -> BaseException:
     """``exc`` with a traceback of the rank's own frames only, each under its real file
     (a notebook's cell file, so IPython shows "Cell In[n]" and the source line). Python
     and IPython then print the rank's error once, as the cause of the job's error."""
-    frames = []
+    frames = []  # (file, code name, line, the code's first line)
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
-        filename, name = code.co_filename, code.co_name
+        filename, name, lineno, first = code.co_filename, code.co_name, tb.tb_lineno, None
         if not filename.startswith(_LIBRARY_DIRS):
             if filename == _DYNAMIC and sources is not None:
-                placed = sources.place(name, tb.tb_lineno)
-                filename = placed[0] if placed is not None else filename
-            frames.append((filename, name, tb.tb_lineno))
+                placed = sources.place(name, lineno)
+                if placed is not None:
+                    filename, _, first = placed
+            frames.append((filename, name, lineno, first or lineno))
         tb = tb.tb_next
-    if not frames:
-        return exc
-    import tblib  # distributed's dependency: it carries tracebacks between processes
-
-    node: dict[str, Any] | None = None
-    for filename, name, lineno in reversed(frames):
-        frame = {"co_filename": filename, "co_name": name}
-        node = {
-            "tb_frame": {"f_code": frame, "f_globals": {"__name__": "__rank__"},
-                         "f_locals": {}, "f_lineno": lineno},
-            "tb_lineno": lineno,
-            "tb_next": node,
-        }  # fmt: skip
-    with contextlib.suppress(Exception):  # a tblib that cannot: keep Dask's traceback
-        exc.__traceback__ = tblib.Traceback.from_dict(node).as_traceback()
+    if frames:
+        with contextlib.suppress(Exception):  # cannot: keep the traceback Dask gave
+            exc.__traceback__ = _traceback_of(frames)
     return exc

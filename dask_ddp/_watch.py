@@ -147,8 +147,9 @@ class AttemptWatch:
         model.error, model.state = error, JobState.FAILED
         model.refresh_views()
         if not isinstance(error, ResizeStopError):
-            # One line: the whole error, traceback included, is what result() raises.
-            logger.warning("job %s failed: %s", self.model.job_id, str(error).split("\n", 1)[0])
+            # One INFO line: result() raises the error itself, and the live view shows it;
+            # a WARNING would print it a second time in a notebook (logging's last resort).
+            logger.info("job %s failed: %s", self.model.job_id, str(error).split("\n", 1)[0])
         if not self._will_restart(error):
             # The outcome is known: result() raises now, while the peers are stopped.
             self._on_outcome()

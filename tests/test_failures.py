@@ -63,9 +63,10 @@ def test_a_notebook_cell_s_function_is_named_as_ipython_names_it():
     try:
         shell.run_cell("def train():\n    x = 1\n    raise ValueError(x)\n")
         fn = shell.user_ns["train"]
-        filename, shown = _traceback.Sources(fn).place("train", fn.__code__.co_firstlineno + 2)
+        placed = _traceback.Sources(fn).place("train", fn.__code__.co_firstlineno + 2)
+        filename, shown, first = placed
         assert filename == fn.__code__.co_filename
-        assert shown.startswith("Cell In[")
+        assert shown.startswith("Cell In[") and first == fn.__code__.co_firstlineno
     finally:
         shell.clear_instance()
 
@@ -82,3 +83,42 @@ def test_workers_keep_rank_failures_out_of_the_client_s_output(capfd: pytest.Cap
         job._wait_stopped(60)
     out, errors = capfd.readouterr()
     assert "Compute Failed" not in out + errors
+
+
+@pytest.mark.slow
+def test_in_a_notebook_the_error_reads_once_from_the_cell_that_raised(tmp_path) -> None:
+    """A real kernel (nbclient): the failing job's error names the cell and line that
+    raised, with no Dask or dask_ddp frames, and no worker's "Compute Failed" block."""
+    import re
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    cells = [
+        "from distributed import Client, LocalCluster\nimport dask_ddp\n"
+        "cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=':0')\n"
+        "client = Client(cluster)",
+        "def train():\n"
+        "    dask_ddp.report({'loss': 1.0}, step=0)\n"
+        "    if dask_ddp.get_context().rank == 1:\n"
+        "        raise ValueError('bad batch at step 0')\n"
+        "    import torch.distributed as dist\n"
+        "    dist.barrier()",
+        "job = dask_ddp.launch(client, train)\njob.result(timeout=120)",
+        "job._wait_stopped(60)\nclient.close()\ncluster.close()",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()  # fmt: skip
+    errors = [o for o in nb.cells[2].outputs if o.output_type == "error"]
+    assert [e.ename for e in errors] == ["RankFailedError"]
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(errors[0].traceback))
+    assert "Cell In[2], line 4" in shown, shown  # the def cell, the line that raised
+    assert "raise ValueError('bad batch at step 0')" in shown
+    rank_part = shown.split("direct cause")[0]
+    assert "bootstrap.py" not in shown and "site-packages" not in rank_part  # no Dask frames
+    assert "<dynamic-code>" not in shown
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.outputs)
+    assert "Compute Failed" not in printed
