@@ -302,11 +302,13 @@ class Job:
         """The state the live view draws, as a dict; optionally once ``until(state)`` holds.
 
         The dict has the job's ``job`` id, ``state``, ``backend``, ``elapsed`` seconds,
-        ``records`` count, curve ``metric``, ``error``, ``notes``, ``waiting`` (why it waits
-        for workers, or None), the latest ``output`` lines, and ``ranks``: per rank its
-        ``rank``, ``worker``, ``status`` (its phase: submitted, queued, joining, running, or
-        its future's status), ``activity``, ``count``, ``step``, ``last`` metrics, ``rate``,
-        ``error`` and ``curve``.
+        ``attempts``, ``records`` count, ``total`` steps (``launch(total_steps=)``), curve
+        ``metric``, ``error`` (one line), the failed rank's ``traceback``, ``notes``,
+        ``waiting`` (why it waits for workers, or None), the latest ``output`` lines, and
+        ``ranks``: per rank its ``rank``, ``worker``, ``status`` (its phase: submitted,
+        queued, joining, running; failed or stopped when the job failed; else its future's
+        status), ``activity``, ``count``, ``step``, ``last`` metrics, ``rate``,
+        ``step_rate``, ``error`` and ``curve``.
 
         Parameters
         ----------
