@@ -405,6 +405,13 @@ def _caller_level() -> int:
     return level
 
 
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # a container's uid without a name, and no USER/LOGNAME
+        return f"uid {os.getuid()}" if hasattr(os, "getuid") else "?"
+
+
 class DashboardFeed:
     """A view of one job (in the job model's views) that sends its summary to the
     scheduler's page: at most once a second, and once more when the job ends."""
@@ -413,7 +420,7 @@ class DashboardFeed:
         self.client = client
         self.extra = {
             "name": name,
-            "launched_by": f"{getpass.getuser()}@{socket.gethostname()}",
+            "launched_by": f"{_user()}@{socket.gethostname()}",
             "started": time.time(),
         }
         self._last = 0.0
