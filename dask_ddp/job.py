@@ -301,14 +301,11 @@ class Job:
     ) -> dict[str, Any]:
         """The state the live view draws, as a dict; optionally once ``until(state)`` holds.
 
-        The dict has the job's ``job`` id, ``state``, ``backend``, ``elapsed`` seconds,
-        ``attempts``, ``records`` count, ``total`` steps (``launch(total_steps=)``), curve
-        ``metric``, ``error`` (one line), the failed rank's ``traceback``, ``notes``,
-        ``waiting`` (why it waits for workers, or None), the latest ``output`` lines, and
-        ``ranks``: per rank its ``rank``, ``worker``, ``status`` (its phase: submitted,
-        queued, joining, running; failed or stopped when the job failed; else its future's
-        status), ``activity``, ``count``, ``step``, ``last`` metrics, ``rate``,
-        ``step_rate``, ``error`` and ``curve``.
+        Keys: ``job``, ``state``, ``backend``, ``elapsed``, ``attempts``, ``records``,
+        ``total``, ``metric``, ``error`` (one line), ``traceback``, ``notes``, ``waiting``,
+        ``output`` and ``ranks``: per rank ``rank``, ``worker``, ``status`` (submitted,
+        queued, joining, running, failed, stopped, or its future's), ``activity``,
+        ``count``, ``step``, ``last``, ``rate``, ``step_rate``, ``error`` and ``curve``.
 
         Parameters
         ----------
