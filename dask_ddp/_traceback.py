@@ -81,36 +81,24 @@ def _cell_name(filename: str) -> str:
     return f"{named[0]} {named[1]}" if named else f'File "{filename}"'
 
 
-def user_traceback(exc: BaseException, tb: Any, sources: Sources | None = None) -> str:
-    """The rank's traceback as its author wants it: their own frames, named as their
-    editor or notebook names them, no dask, distributed or dask_ddp frames around them,
-    and no ``^^^`` markers (the column positions do not survive the trip from the worker,
-    so they would point at the wrong place)."""
-    te = traceback.TracebackException(type(exc), exc, tb, compact=True)
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions chained to it (its cause, else its context), once each."""
     seen: set[int] = set()
-    names: dict[str, str] = {}  # a frame's file -> the name it is shown under
-    part: traceback.TracebackException | None = te
+    part: BaseException | None = exc
     while part is not None and id(part) not in seen:
         seen.add(id(part))
-        kept = []
-        for frame in part.stack:
-            if frame.filename.startswith(_LIBRARY_DIRS):
-                continue
-            if frame.filename == _DYNAMIC and sources is not None:
-                placed = sources.place(frame.name, frame.lineno)
-                if placed is not None:
-                    filename, names[filename], _ = placed
-                    line = linecache.getline(filename, frame.lineno).strip()
-                    frame = traceback.FrameSummary(
-                        filename, frame.lineno, frame.name, line=line or None
-                    )
-            kept.append(frame)
-        part.stack = traceback.StackSummary.from_list(kept or list(part.stack))
+        yield part
         part = part.__cause__ or part.__context__
-    lines = "".join(te.format()).splitlines(keepends=True)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The text of a rank's error after :func:`rebuild`: the author's own frames, named as
+    their editor or notebook names them (``Cell In[3]``), and no ``^^^`` markers."""
+    lines = "".join(traceback.format_exception(exc)).splitlines(keepends=True)
     text = "".join(line for line in lines if not _CARETS.match(line))
-    for filename, shown in names.items():
-        text = text.replace(f'File "{filename}"', shown)
+    files = {f.filename for part in _chain(exc) for f in traceback.extract_tb(part.__traceback__)}
+    for filename in files:
+        text = text.replace(f'File "{filename}"', _cell_name(filename))
     return text
 
 
@@ -144,22 +132,24 @@ def _traceback_of(frames: list[tuple[str, str, int, int]]) -> types.TracebackTyp
 
 
 def rebuild(exc: BaseException, sources: Sources | None = None) -> BaseException:
-    """``exc`` with a traceback of the rank's own frames only, each under its real file
-    (a notebook's cell file, so IPython shows "Cell In[n]" and the source line). Python
-    and IPython then print the rank's error once, as the cause of the job's error."""
-    frames = []  # (file, code name, line, the code's first line)
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        filename, name, lineno, first = code.co_filename, code.co_name, tb.tb_lineno, None
-        if not filename.startswith(_LIBRARY_DIRS):
-            if filename == _DYNAMIC and sources is not None:
-                placed = sources.place(name, lineno)
-                if placed is not None:
-                    filename, _, first = placed
-            frames.append((filename, name, lineno, first or lineno))
-        tb = tb.tb_next
-    if frames:
-        with contextlib.suppress(Exception):  # cannot: keep the traceback Dask gave
-            exc.__traceback__ = _traceback_of(frames)
+    """``exc``, and each exception chained to it, with a traceback of the rank's own frames
+    only (no dask, distributed or dask_ddp frames), each under its real file: a notebook
+    cell's file, so IPython shows "Cell In[n]" and the source line. Python and IPython then
+    print the rank's error once, as the cause of the job's error."""
+    for part in _chain(exc):
+        frames = []  # (file, code name, line, the code's first line)
+        tb = part.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            filename, name, lineno, first = code.co_filename, code.co_name, tb.tb_lineno, None
+            if not filename.startswith(_LIBRARY_DIRS):
+                if filename == _DYNAMIC and sources is not None:
+                    placed = sources.place(name, lineno)
+                    if placed is not None:
+                        filename, _, first = placed
+                frames.append((filename, name, lineno, first or lineno))
+            tb = tb.tb_next
+        if frames:
+            with contextlib.suppress(Exception):  # cannot: keep the traceback Dask gave
+                part.__traceback__ = _traceback_of(frames)
     return exc

@@ -244,7 +244,8 @@ def _job_error(
     """The job's error for rank ``rank`` whose future ``fut`` raised ``exc``."""
     if isinstance(exc, RankStoppedError):
         return exc
-    text = _traceback.user_traceback(exc, fut.traceback(), sources)
+    own = _traceback.rebuild(exc, sources)  # the rank's own frames
+    text = _traceback.user_traceback(own)
     error = RankFailedError(rank, worker, fut.key, f"{type(exc).__name__}: {exc}", text)
-    error.__cause__ = _traceback.rebuild(exc, sources)  # the rank's own frames
+    error.__cause__ = own
     return error
