@@ -85,8 +85,7 @@ class AttemptWatch:
         while len(finished) < world:
             kind, rank = self._get()
             if kind == "cancel":
-                self._stop(cancel_reason(), set(range(world)) - finished, finished)
-                model.error, model.state = JobCancelledError(self.model.job_id), JobState.CANCELLED
+                self._cancel(cancel_reason(), finished)
                 return
             if kind == "lost" and rank not in finished:
                 key = model.futures[rank].key
@@ -99,14 +98,19 @@ class AttemptWatch:
                 self._fail(self._rank_error(rank), finished)
                 return
             if model.futures[rank].status == "cancelled":
-                self._stop("a rank's task was cancelled", set(range(world)) - finished, finished)
-                model.error, model.state = JobCancelledError(self.model.job_id), JobState.CANCELLED
+                self._cancel("a rank's task was cancelled", finished)
                 return
         # Every rank sent its final marker before its task finished: wait for the markers
         # (normally already here), so that metrics are complete when result() returns.
         self._drain(range(world), warn=True)
         model.state = JobState.SUCCEEDED
         logger.info("job %s: %d ranks finished", self.model.job_id, world)
+
+    def _cancel(self, reason: str, finished: set[int]) -> None:
+        """Stop the ranks still running; the job's outcome is cancelled."""
+        model = self.model
+        self._stop(reason, set(range(len(self.attempt.workers))) - finished, finished)
+        model.error, model.state = JobCancelledError(model.job_id), JobState.CANCELLED
 
     def _rank_error(self, rank: int) -> BaseException:
         fut = self.model.futures[rank]
