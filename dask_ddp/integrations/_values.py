@@ -1,4 +1,4 @@
-"""What the integrations send: the numeric part of a library's logged values."""
+"""What the integrations send: the numeric part of a library's logged values, as one record."""
 
 from __future__ import annotations
 
@@ -16,3 +16,19 @@ def numeric_values(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, fl
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
             values[f"{prefix}{name}"] = float(value)
     return values
+
+
+def send(metrics: Mapping[str, Any], step: int | None, prefix: str = "") -> bool:
+    """Report the numeric part of ``metrics`` as one record (nothing if there is none).
+    False outside a dask_ddp rank, where nothing can be sent."""
+    from .. import report
+    from ..errors import NotInRankError
+
+    values = numeric_values(metrics, prefix)
+    if not values:
+        return True
+    try:
+        report(values, step=step)
+    except NotInRankError:
+        return False
+    return True

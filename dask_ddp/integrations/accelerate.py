@@ -8,13 +8,11 @@ Examples
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from accelerate.tracking import GeneralTracker
 
-from ..errors import NotInRankError
-from ._values import numeric_values
+from ._values import send
 
 __all__ = ["DaskDDPTracker"]
 
@@ -50,10 +48,5 @@ class DaskDDPTracker(GeneralTracker):
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Send the numeric values as one record."""
-        from .. import report
-
-        numeric = numeric_values(values)
-        if numeric:
-            # Outside dask_ddp (accelerate launch) nothing is sent; its other trackers log.
-            with contextlib.suppress(NotInRankError):
-                report(numeric, step=step)
+        # Outside dask_ddp (accelerate launch) nothing is sent; its other trackers log.
+        send(values, step)

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 
 from ..errors import NotInRankError
-from ._values import numeric_values
+from ._values import send
 
 __all__ = ["DaskDDPCheckpoint", "DaskDDPLogger"]
 
@@ -78,20 +78,12 @@ class DaskDDPLogger(Logger):
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Send the numeric metrics (tensors of one element, numbers) as one record."""
-        from .. import report
-
-        values = numeric_values(metrics, self._prefix)
-        if not values:
-            return
-        try:
-            report(values, step=step)
-        except NotInRankError:
-            if not self._outside_said:
-                self._outside_said = True
-                logger.warning(
-                    "DaskDDPLogger outside a dask_ddp rank: metrics are not sent anywhere "
-                    "(run the script with dask_ddp.launch_script or python -m dask_ddp)"
-                )
+        if not send(metrics, step, self._prefix) and not self._outside_said:
+            self._outside_said = True
+            logger.warning(
+                "DaskDDPLogger outside a dask_ddp rank: metrics are not sent anywhere "
+                "(run the script with dask_ddp.launch_script or python -m dask_ddp)"
+            )
 
 
 class DaskDDPCheckpoint(Callback):

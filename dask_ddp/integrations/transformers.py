@@ -20,7 +20,6 @@ Examples
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
@@ -29,7 +28,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..errors import CheckpointDirMissingError, NotInRankError
-from ._values import numeric_values
+from ._values import send
 
 __all__ = ["DaskDDPCallback"]
 
@@ -49,12 +48,7 @@ class DaskDDPCallback(TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
     ) -> None:
-        from .. import report
-
-        values = numeric_values(logs or {})
-        if values:
-            with contextlib.suppress(NotInRankError):
-                report(values, step=int(state.global_step))
+        send(logs or {}, int(state.global_step))
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         from .. import get_context, save_checkpoint
