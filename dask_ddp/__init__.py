@@ -27,10 +27,11 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         BackendUnavailableError,
         ChannelError,
         CheckpointDirMissingError,
-        DashboardUnavailableWarning,
         DaskDDPError,
         JobCancelledError,
+        JobNameTakenError,
         JobNotFoundError,
+        JobStillRunningError,
         NotInRankError,
         NotPicklableError,
         NoWorkersError,
@@ -40,14 +41,15 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         RankFailedError,
         RankStoppedError,
         RendezvousTimeoutError,
-        ResizeStopError,
         RetryableError,
         ScaleTimeoutError,
+        SchedulerPluginError,
+        TooManyResizesError,
         UnsafeResultPathError,
         WorkerBusyError,
         WorkerLostError,
     )
-    from .job import AttemptInfo, Job, JobState, MetricRecord, OutputLine
+    from .job import Job, JobInfo, JobState, MetricRecord, OutputLine, Transition, attach, jobs
     from .results import DaskResultsHandler
 
 # Each public name and the module that defines it. Modules load on first use, so that
@@ -68,9 +70,10 @@ _WHERE = {
     "ChannelError": "errors",
     "CheckpointDirMissingError": "errors",
     "DaskDDPError": "errors",
-    "DashboardUnavailableWarning": "errors",
     "JobCancelledError": "errors",
+    "JobNameTakenError": "errors",
     "JobNotFoundError": "errors",
+    "JobStillRunningError": "errors",
     "NotInRankError": "errors",
     "NotPicklableError": "errors",
     "NoWorkersError": "errors",
@@ -80,22 +83,37 @@ _WHERE = {
     "RankFailedError": "errors",
     "RankStoppedError": "errors",
     "RendezvousTimeoutError": "errors",
-    "ResizeStopError": "errors",
     "RetryableError": "errors",
     "ScaleTimeoutError": "errors",
+    "SchedulerPluginError": "errors",
+    "TooManyResizesError": "errors",
     "UnsafeResultPathError": "errors",
     "WorkerBusyError": "errors",
     "WorkerLostError": "errors",
-    "AttemptInfo": "job",
     "Job": "job",
+    "JobInfo": "job",
     "JobState": "job",
     "MetricRecord": "job",
     "OutputLine": "job",
+    "Transition": "job",
+    "attach": "job",
+    "jobs": "job",
     "DaskResultsHandler": "results",
 }
 
 
+async def _dask_setup(server: _Any) -> None:
+    """``dask scheduler --preload dask_ddp``: install dask-ddp's plugin as the scheduler
+    starts, so that every job runs there from the first one, on a scheduler that blocks
+    plugin registration too (a worker preloaded with it does nothing)."""
+    from ._plugin import install_on
+
+    await install_on(server)
+
+
 def __getattr__(name: str) -> _Any:
+    if name == "dask_setup":  # the preload hook: not a public name of the package
+        return _dask_setup
     module = _WHERE.get(name)
     if module is None:
         # A submodule (dask_ddp.dispatch, dask_ddp.data, ...) after a bare `import dask_ddp`.
@@ -112,18 +130,19 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "AttemptInfo",
     "BackendUnavailableError",
     "ChannelError",
     "CheckpointDirMissingError",
     "CheckpointInfo",
-    "DashboardUnavailableWarning",
     "DaskDDPError",
     "DaskResultsHandler",
     "Job",
     "JobCancelledError",
+    "JobInfo",
+    "JobNameTakenError",
     "JobNotFoundError",
     "JobState",
+    "JobStillRunningError",
     "MetricRecord",
     "NoWorkersError",
     "NotInRankError",
@@ -136,17 +155,21 @@ __all__ = [
     "RankFailedError",
     "RankStoppedError",
     "RendezvousTimeoutError",
-    "ResizeStopError",
     "RetryableError",
     "ScaleTimeoutError",
+    "SchedulerPluginError",
+    "TooManyResizesError",
+    "Transition",
     "UnsafeCheckpointError",
     "UnsafeResultPathError",
     "WorkerBusyError",
     "WorkerLostError",
     "__version__",
+    "attach",
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",
+    "jobs",
     "launch",
     "launch_script",
     "report",

@@ -97,11 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _quiet_job_failure() -> None:
-    """A failed job is printed by the command, whole; its one-line warning would repeat it."""
-    for name in ("dask_ddp.job", "dask_ddp._watch"):
-        logging.getLogger(name).addFilter(
-            lambda record: not str(record.msg).startswith("job %s failed")
-        )
+    """A failed job is printed by the command, whole; its supervisor's line for the failure
+    (the command's own LocalCluster runs it, in this process) would repeat it."""
+    logging.getLogger("dask_ddp.supervise").addFilter(
+        lambda record: getattr(record, "job_state", None) != "failed"
+    )
 
 
 def _import_dispatch() -> threading.Thread:
@@ -221,7 +221,7 @@ def _run_job(client: Any, opts: argparse.Namespace, *, own_cluster: bool) -> int
         if own_cluster:
             return 1  # everything it started ends with the command
         # On a shared cluster, leave it clean: a stuck peer's worker is restarted.
-        if not job._wait_stopped(timeout=60):
+        if not job.wait_stopped(timeout=60):
             log.warning("job %s: its ranks were still being stopped at exit", job.job_id)
         return 1
     log.info("job %s: every rank finished", job.job_id)

@@ -1,7 +1,6 @@
-"""The training page on the cluster's own dashboard: a scheduler plugin and its client feed.
+"""The training page on the cluster's own dashboard, served by dask-ddp's scheduler plugin.
 
-:class:`DashboardPlugin` runs in the scheduler. It serves, on the dashboard's HTTP server
-(the port of ``/status``, under its prefix):
+On the dashboard's HTTP server (the port of ``/status``, under its prefix):
 
 - ``/ddp/``: the jobs on the cluster (running, finished, failed; who launched them);
 - ``/ddp/jobs/<id>``: one job, drawn as the notebook draws it (:func:`dask_ddp.view.render_html`),
@@ -10,89 +9,42 @@
 - gauges on the scheduler's Prometheus ``/metrics`` (``dask_ddp_*``).
 
 The page is plain HTML, inline SVG and a few lines of script, so it works on a cluster
-without internet. Each job's supervisor sends a summary of its state
-(:func:`summary`: the live view's snapshot without printed output, the curve thinned) at
-most once a second on the client's batched stream; the scheduler keeps the latest summary
-of the last ``ddp.dashboard.max-jobs`` jobs, never the metric stream itself, so its memory
-stays bounded. ``launch()`` installs the plugin on any cluster (:func:`attach`); a scheduler
-that cannot take it (dask-ddp not importable there) leaves jobs training, with one warning.
+without internet. It reads each job's supervisor (:meth:`dask_ddp.supervise.Supervisor.summary`:
+the live view's state with the curve thinned and values capped, never the metric stream),
+so it shows a job whoever launched it, and whether or not that client is still there.
 """
 
 from __future__ import annotations
 
-import getpass
 import html
 import json
 import logging
-import os
-import socket
-import sys
 import threading
-import time
-import warnings
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import dask.config
-from distributed import Client
-from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
 from . import _dask_internals, view
-from . import config as _config  # noqa: F401  (loads the ddp.* defaults)
-from .errors import DashboardUnavailableWarning
+from ._types import FINAL_STATES
+
+
+class Holder(Protocol):
+    """What the pages read of dask-ddp's scheduler plugin (:mod:`dask_ddp._plugin`)."""
+
+    scheduler: Any  # distributed.Scheduler
+    jobs: dict[str, Any]  # job id -> its supervisor (summary(), in launch order)
+    max_jobs: int
+
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "dask-ddp-dashboard"
-_OP = "dask-ddp-job-summary"  # the scheduler's stream handler for job summaries
-_SEND_PERIOD = 1.0  # seconds between two summaries of a running job
-_CURVE_POINTS = 200  # points per rank kept on the scheduler
-_METRICS = 16  # latest metric values kept per rank
-_TEXT = 20_000  # characters kept of an error or a note
-_NOTES = 20
-_FINAL = view.FINAL_STATES
 
-
-# -- the summary a job sends -------------------------------------------------------------
-def _clip(text: Any) -> Any:
-    return text[:_TEXT] if isinstance(text, str) else text
-
-
-def _thin(curve: list[Any]) -> list[list[float]]:
-    step = max(1, -(-len(curve) // _CURVE_POINTS))
-    kept = curve[::step]
-    if curve and kept[-1] is not curve[-1]:
-        kept.append(curve[-1])
-    return [[float(x), float(y)] for x, y in kept]
-
-
-def summary(snap: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """What the scheduler keeps of a job: the live view's state (see
-    :meth:`dask_ddp.Job.view_state`) with the curve thinned, metric values, errors and
-    notes capped, and no printed output. Applied again by the scheduler, so a client that
-    sends more cannot make it keep more.
-
-    >>> snap = {"job": "3f2a", "state": "running", "ranks": [], "notes": [], "output": ["x"]}
-    >>> sorted(summary(snap, launched_by="ana@laptop"))
-    ['job', 'launched_by', 'notes', 'ranks', 'state']
-    """
-    out = {k: _clip(v) for k, v in snap.items() if k not in ("output", "ranks", "notes")}
-    out["ranks"] = [
-        {
-            **{k: _clip(v) for k, v in r.items() if k not in ("curve", "last")},
-            "last": {str(k): v for k, v in list(r.get("last", {}).items())[:_METRICS]},
-            "curve": _thin(r.get("curve", [])),
-        }
-        for r in snap.get("ranks", [])
-    ]
-    out["notes"] = [_clip(n) for n in list(snap.get("notes", []))[-_NOTES:]]
-    out.update({k: _clip(v) for k, v in extra.items()})
-    return out
-
-
-def _row(job: dict[str, Any]) -> dict[str, Any]:
-    """A job's line in the list (``/ddp/api/jobs``)."""
+# -- the rows of the list --------------------------------------------------------------
+def row(job: dict[str, Any]) -> dict[str, Any]:
+    """A job's line in the list (``/ddp/api/jobs``, :func:`dask_ddp.jobs`), from its
+    supervisor's :meth:`~dask_ddp.supervise.Supervisor.summary`."""
     ranks = job.get("ranks", [])
     steps = [r["step"] for r in ranks if r.get("step") is not None]
     rates = [r["step_rate"] for r in ranks if r.get("step_rate")]
@@ -114,59 +66,14 @@ def _row(job: dict[str, Any]) -> dict[str, Any]:
         "metric": metric,
         "value": values[0] if values else None,
         "error": error.split("\n", 1)[0] if isinstance(error, str) else None,
+        "followers": job.get("followers", 0),
+        "detached": job.get("detached", False),
     }
 
 
-# -- the scheduler side ------------------------------------------------------------------
-class DashboardPlugin(SchedulerPlugin):
-    """Keeps a summary of each job and serves the ``/ddp/`` pages (see the module doc).
-
-    Installed by ``launch()`` (``Client.register_plugin``); one per scheduler.
-    """
-
-    name = PLUGIN_NAME
-    idempotent = True
-
-    def __init__(self, max_jobs: int | None = None) -> None:
-        self.max_jobs = int(max_jobs or dask.config.get("ddp.dashboard.max-jobs"))
-        self.jobs: dict[str, dict[str, Any]] = {}  # oldest first
-        self.scheduler: Any = None
-        self._app: web.Application | None = None
-
-    async def start(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        _dask_internals.add_stream_handler(scheduler, _OP, self.update)
-        http = getattr(scheduler, "http_application", None)
-        if http is not None:
-            self._app = _application(self, _dask_internals.http_prefix(scheduler))
-            http.add_application(self._app)
-        _collector().plugins.add(self)
-
-    async def close(self) -> None:
-        _dask_internals.remove_stream_handler(self.scheduler, _OP)
-        http = getattr(self.scheduler, "http_application", None)
-        if http is not None and self._app in http.applications:
-            http.applications.remove(self._app)
-        _collector().plugins.discard(self)
-
-    def update(self, job: dict[str, Any], client: str | None = None, **_: Any) -> None:
-        """A job's summary arrived from the client ``client`` (the stream handler: an
-        exception here would close that client's connection, so none leaves)."""
-        try:
-            kept = summary(job, client=client, updated=time.time())
-            if not isinstance(kept.get("job"), str) or not isinstance(kept.get("state"), str):
-                raise ValueError("no job id or state")
-        except Exception:
-            logger.warning("dask-ddp dashboard: a summary from %s ignored", client, exc_info=True)
-            return
-        self.jobs[kept["job"]] = kept  # a known job keeps its place: the list is by launch
-        while len(self.jobs) > self.max_jobs:  # forget the oldest finished job, else the oldest
-            old = next((k for k, j in self.jobs.items() if j["state"] in _FINAL), None)
-            del self.jobs[old if old is not None else next(iter(self.jobs))]
-
-    def rows(self) -> list[dict[str, Any]]:
-        """Every job's line, the newest launched first."""
-        return [_row(j) for j in reversed(self.jobs.values())]
+def rows(plugin: Holder) -> list[dict[str, Any]]:
+    """Every job's line, the newest launched first."""
+    return [row(job.summary()) for job in reversed(plugin.jobs.values())]
 
 
 # -- pages -------------------------------------------------------------------------------
@@ -201,9 +108,9 @@ def _or_blank(value: Any, form: str | None = None) -> str:
     return "" if value is None else form.format(value) if form else view.fmt(value)
 
 
-def list_html(plugin: DashboardPlugin, base: str) -> str:
+def list_html(plugin: Holder, base: str) -> str:
     """The table of jobs (``base``: the page's path, ``/ddp/`` under the prefix)."""
-    rows = "".join(
+    table = "".join(
         f"<tr><td><a href='{base}jobs/{html.escape(r['job'])}'>{html.escape(r['job'])}</a></td>"
         f"<td>{html.escape(r['name'] or '')}</td>"
         f"<td class='{html.escape(r['state'])}'>{html.escape(r['state'])}</td>"
@@ -211,19 +118,19 @@ def list_html(plugin: DashboardPlugin, base: str) -> str:
         f"<td>{_or_blank(r['step'])}</td><td>{_or_blank(r['step_rate'], '{:.1f}')}</td>"
         f"<td>{html.escape(r['metric'] or '')} {_or_blank(r['value'])}</td>"
         f"<td>{r['attempts']}</td><td>{html.escape(r['error'] or '')}</td></tr>"
-        for r in plugin.rows()
+        for r in rows(plugin)
     )
-    if not rows:
-        rows = "<tr><td colspan='10'>No dask-ddp job has run on this cluster yet.</td></tr>"
+    if not table:
+        table = "<tr><td colspan='10'>No dask-ddp job has run on this cluster yet.</td></tr>"
     return (
         "<h2>dask-ddp jobs</h2><table><tr><th>job</th><th>function</th><th>state</th>"
         "<th>ranks</th><th>launched by</th><th>step</th><th>steps/s</th><th>latest</th>"
-        f"<th>attempts</th><th>error</th></tr>{rows}</table>"
+        f"<th>attempts</th><th>error</th></tr>{table}</table>"
     )
 
 
 def _job_html(job: dict[str, Any], base: str) -> str:
-    final = " data-final='1'" if job["state"] in _FINAL else ""
+    final = " data-final='1'" if job["state"] in FINAL_STATES else ""
     who = html.escape(f"launched by {job.get('launched_by') or '?'}")
     return (
         f"<p{final}><a href='{base}'>all jobs</a> · {who} · attempts {job.get('attempts', 1)}"
@@ -232,14 +139,15 @@ def _job_html(job: dict[str, Any], base: str) -> str:
 
 
 class _Handler(web.RequestHandler):
-    def initialize(self, plugin: DashboardPlugin, base: str) -> None:
+    def initialize(self, plugin: Holder, base: str) -> None:
         self.plugin, self.base = plugin, base
 
     def _job(self, job_id: str) -> dict[str, Any] | None:
         job = self.plugin.jobs.get(job_id)
         if job is None:
             self.set_status(404)
-        return job
+            return None
+        return job.summary()
 
     def _missing(self, job_id: str) -> str:
         return (
@@ -281,7 +189,7 @@ class _JobPart(_Handler):
 class _JobsApi(_Handler):
     def get(self) -> None:
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps({"jobs": self.plugin.rows()}))
+        self.write(json.dumps({"jobs": rows(self.plugin)}))
 
 
 class _JobApi(_Handler):
@@ -291,7 +199,7 @@ class _JobApi(_Handler):
         self.write(json.dumps(job if job is not None else {"error": self._missing(job_id)}))
 
 
-def _application(plugin: DashboardPlugin, prefix: str) -> web.Application:
+def _application(plugin: Holder, prefix: str) -> web.Application:
     base = prefix + "ddp/"
     kw = {"plugin": plugin, "base": base}
     job = r"([0-9A-Za-z_.-]+)"
@@ -315,7 +223,7 @@ class _Collector:
     in a test process each add their plugin)."""
 
     def __init__(self) -> None:
-        self.plugins: weakref.WeakSet[DashboardPlugin] = weakref.WeakSet()
+        self.plugins: weakref.WeakSet[Holder] = weakref.WeakSet()
 
     def collect(self) -> Any:
         from prometheus_client.core import GaugeMetricFamily
@@ -332,7 +240,7 @@ class _Collector:
                                  labels=["job", "rank"])  # fmt: skip
         counts: dict[str, int] = {}
         for plugin in list(self.plugins):
-            for job in plugin.jobs.values():
+            for job in (j.summary() for j in list(plugin.jobs.values())):
                 counts[job["state"]] = counts.get(job["state"], 0) + 1
                 if job["state"] != "running":
                     continue
@@ -365,82 +273,21 @@ def _collector() -> _Collector:
         return _the_collector
 
 
-# -- the client side ---------------------------------------------------------------------
-_installed: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
-_install_lock = threading.Lock()
-
-
-def install(client: Client) -> bool:
-    """Install :class:`DashboardPlugin` on ``client``'s scheduler, once per client; False
-    (after one :class:`DashboardUnavailableWarning`) if the scheduler cannot take it."""
-    with _install_lock:
-        done = _installed.get(client)
-        if done is not None:
-            return done
-        try:
-            client.register_plugin(DashboardPlugin(), name=PLUGIN_NAME)
-            # A scheduler without the handler answers nothing rather than an error; and a
-            # job summary sent to a scheduler without the plugin would close our connection.
-            if not client.run_on_scheduler(_has_plugin):
-                raise RuntimeError("the plugin is not in the scheduler's plugins")
-        except Exception as exc:  # what the scheduler said: a blocked handler, ...
-            warning = DashboardUnavailableWarning(client.scheduler.address, exc)
-            warnings.warn(warning, stacklevel=_caller_level())
-            _installed[client] = False
-            return False
-        _installed[client] = True
-        return True
-
-
-def _has_plugin(dask_scheduler: Any) -> bool:
-    return PLUGIN_NAME in dask_scheduler.plugins
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside dask_ddp."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # a container's uid without a name, and no USER/LOGNAME
-        return f"uid {os.getuid()}" if hasattr(os, "getuid") else "?"
-
-
-class DashboardFeed:
-    """A view of one job (in the job model's views) that sends its summary to the
-    scheduler's page: at most once a second, and once more when the job ends."""
-
-    def __init__(self, client: Client, name: str) -> None:
-        self.client = client
-        self.extra = {
-            "name": name,
-            "launched_by": f"{_user()}@{socket.gethostname()}",
-            "started": time.time(),
-        }
-        self._last = 0.0
-
-    def update(self, snap: dict[str, Any]) -> float | None:
-        """Send ``snap``; or, within a second of the last one, ask the job model to call
-        again when that second is up (returns the seconds to wait)."""
-        now = time.monotonic()
-        if now - self._last < _SEND_PERIOD and snap["state"] not in _FINAL:
-            return self._last + _SEND_PERIOD - now
-        self._last = now
-        if self.client.status == "running":
-            job = summary(snap, **self.extra)
-            _dask_internals.send_to_scheduler(self.client, {"op": _OP, "job": job})
+def add_pages(plugin: Holder) -> web.Application | None:
+    """Serve ``plugin``'s jobs on its scheduler's dashboard and Prometheus ``/metrics``;
+    returns the application to give to :func:`remove_pages` (None without a dashboard)."""
+    _collector().plugins.add(plugin)
+    http = getattr(plugin.scheduler, "http_application", None)
+    if http is None:
         return None
+    app = _application(plugin, _dask_internals.http_prefix(plugin.scheduler))
+    http.add_application(app)
+    return app
 
 
-def attach(client: Client, model: Any, name: str) -> None:
-    """Feed ``model``'s job to the dashboard page, if ``ddp.dashboard.enabled`` and the
-    scheduler took the plugin."""
-    if dask.config.get("ddp.dashboard.enabled") and install(client):
-        model.views.append(DashboardFeed(client, name))
-        model.mark_views()
+def remove_pages(plugin: Holder, app: web.Application | None) -> None:
+    """Stop serving what :func:`add_pages` served."""
+    _collector().plugins.discard(plugin)
+    http = getattr(plugin.scheduler, "http_application", None)
+    if http is not None and app is not None:
+        _dask_internals.remove_http_application(http, app)

@@ -30,9 +30,10 @@ def remove_worker_handler(worker: Any, name: str) -> None:
     worker.handlers.pop(name, None)
 
 
-def drop_topic(topic: str, client_id: str, dask_scheduler: Any = None) -> bool:
-    """Run on the scheduler (``Client.run_on_scheduler``): let its event broker forget
-    ``topic`` and the events it keeps for it, once no subscriber but ``client_id`` is left.
+def drop_topic(topic: str, client_id: str | None, dask_scheduler: Any = None) -> bool:
+    """Let the scheduler's event broker forget ``topic`` and the events it keeps for it:
+    once no subscriber but ``client_id`` is left, or at once with ``client_id=None`` (the
+    job was forgotten). Called on the scheduler.
 
     The broker keeps the last events of every topic for the cluster's lifetime and has no
     public call to drop one. Returns True if the topic was dropped; a scheduler without that
@@ -44,12 +45,31 @@ def drop_topic(topic: str, client_id: str, dask_scheduler: Any = None) -> bool:
     topics = getattr(broker, "_topics", None)
     if topics is None or topic not in topics:
         return False
-    # The client's unsubscribe message travels on another comm and may not have arrived.
-    topics[topic].subscribers.discard(client_id)
-    if topics[topic].subscribers:
-        return False
+    if client_id is not None:
+        # The client's unsubscribe message travels on another comm and may not have arrived.
+        topics[topic].subscribers.discard(client_id)
+        if topics[topic].subscribers:
+            return False
     del topics[topic]
     return True
+
+
+async def call_worker(client: Any, worker: str, handler: str, **kwargs: Any) -> Any:
+    """Call the RPC ``handler`` (one a worker plugin added, see :func:`add_worker_handler`)
+    of ``worker`` from ``client``'s event loop, worker to client, without the scheduler.
+
+    Private: ``Client.rpc``, the client's pool of connections to other servers.
+    """
+    return await getattr(client.rpc(worker), handler)(**kwargs)
+
+
+async def topic_history(client: Any, topic: str) -> tuple[tuple[float, Any], ...]:
+    """The events the scheduler keeps of ``topic`` (the last 1000), from ``client``'s event
+    loop: what ``Client.get_events`` returns, without blocking the loop it runs on.
+
+    Private: the scheduler's ``events`` handler, called through ``Client.scheduler``.
+    """
+    return await client.scheduler.events(topic=topic)
 
 
 def topic_handler(client: Any, topic: str) -> Callable[[Any], Any] | None:
@@ -62,19 +82,14 @@ def topic_handler(client: Any, topic: str) -> Callable[[Any], Any] | None:
 
 
 # --- used by dask_ddp._dashboard ---
-def add_stream_handler(scheduler: Any, op: str, handler: Callable[..., Any]) -> None:
-    """Handle messages ``{"op": op, ...}`` that clients send on their batched stream to
-    ``scheduler``: ``handler(client=<client id>, **message)`` runs on the scheduler's loop.
+def remove_http_application(http: Any, app: Any) -> None:
+    """Stop routing requests to ``app``, added with ``http_application.add_application``
+    (tornado's ``_ApplicationRouter`` has no call to remove one).
 
-    Private: ``Scheduler.stream_handlers`` is the server's table of stream operations.
+    Private: the router's ``applications`` list.
     """
-    scheduler.stream_handlers[op] = handler
-
-
-def remove_stream_handler(scheduler: Any, op: str) -> None:
-    """Stop handling ``op``; nothing if it is not handled."""
-    if scheduler is not None:
-        scheduler.stream_handlers.pop(op, None)
+    if app in http.applications:
+        http.applications.remove(app)
 
 
 def http_prefix(scheduler: Any) -> str:
@@ -91,14 +106,51 @@ def http_prefix(scheduler: Any) -> str:
     return "/"
 
 
-def send_to_scheduler(client: Any, msg: dict[str, Any]) -> None:
-    """Queue ``msg`` on ``client``'s batched stream to the scheduler (no reply, no round
-    trip). Only for operations the scheduler handles (:func:`add_stream_handler`): the
-    scheduler closes the connection of a client that sends an unknown one.
+# --- used by dask_ddp's scheduler plugin (supervise, _launcher, _plugin) ---
+def fail_task(scheduler: Any, key: Any, exception: bytes) -> bool:
+    """Fail the task ``key``, left without a worker it may run on (``no-worker``: its
+    worker left the cluster), with the pickled ``exception``: every client's future of it
+    then raises that exception instead of waiting forever. Returns whether it did.
 
-    Private: ``Client._send_to_scheduler``.
+    This is what the scheduler itself does to such tasks after
+    ``distributed.scheduler.no-workers-timeout`` (``NoValidWorkerError``).
+
+    Private: ``Scheduler.transition``/``transitions`` with the ``erred`` arguments of
+    ``_transition_no_worker_erred``, and ``TaskState.state``.
     """
-    client._send_to_scheduler(msg)
+    ts = scheduler.tasks.get(key)
+    if ts is None or ts.state != "no-worker":
+        return False
+    stimulus_id = f"dask-ddp-fail-{key}"
+    recommendations = scheduler.transition(
+        key, "erred", exception=exception, cause=key, stimulus_id=stimulus_id
+    )
+    scheduler.transitions(recommendations, stimulus_id=stimulus_id)
+    return True
+
+
+def max_tick_seconds(dask_scheduler: Any = None) -> float:
+    """Run on the scheduler (``Client.run_on_scheduler``): the longest gap between two
+    ticks of its event loop so far, in seconds: how long something blocked the loop.
+
+    Private: ``Scheduler.digests_max``, the scheduler's own measure of it.
+    """
+    return float(dask_scheduler.digests_max.get("tick-duration", 0.0))
+
+
+def reset_max_tick(dask_scheduler: Any = None) -> None:
+    """Run on the scheduler: start :func:`max_tick_seconds` again from now."""
+    dask_scheduler.digests_max.pop("tick-duration", None)
+
+
+def is_adaptive(client: Any) -> bool:
+    """Whether ``client``'s cluster object (``Client(cluster)``) scales itself
+    (``cluster.adapt()``); False for a client of a bare scheduler address.
+
+    Private: ``Cluster._adaptive``, checked as ``Cluster`` itself checks it.
+    """
+    adaptive = getattr(getattr(client, "cluster", None), "_adaptive", None)
+    return bool(adaptive is not None and getattr(adaptive, "periodic_callback", None))
 
 
 # --- used by dask_ddp.data ---

@@ -1,336 +1,300 @@
-"""Placing a job on the cluster: whole worker sets, a probe, a rank plan, the rank tasks.
+"""Placing one attempt of a job on the workers the pool gave it, and stopping it again.
 
-:class:`Launcher` places a job for its first attempt and again for every restart or
-resize: it claims its workers whole (:mod:`dask_ddp._claims`), probes them (GPUs, busy
-ranks, and rank 0's store), plans the ranks (:mod:`dask_ddp.placement`) and builds the
-rank tasks, one impure task per rank, pinned to its worker and never retried elsewhere.
-:func:`job_size` checks ``workers=``/``min_workers=`` before anything starts.
+Runs in the scheduler plugin, on the scheduler's event loop, through the plugin's own
+client (public ``Client`` API, asynchronous): one ``Client.run`` probes the workers it has
+not seen yet (their GPUs) and opens the job's ``TCPStore`` on rank 0's worker (port 0, so
+the OS picks a free port and two jobs never share one, and the store listens before any
+rank connects); :mod:`dask_ddp.placement` plans the ranks; one impure task per rank is
+submitted, pinned to its worker and never retried elsewhere, and the attempt's futures are
+published (``Client.publish_dataset``) so that every client can read them, whoever
+launched the job. Stopping an attempt aborts its ranks in place, restarts the workers of
+ranks stuck in a C++ collective, and fails the tasks left without a worker with the reason
+(never a bare ``CancelledError``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import pickle
+from collections.abc import Sequence
+from typing import Any
 
-from distributed import Client, Future
-
-from . import _traceback, bootstrap, config, script
-from ._claims import WorkerClaims
-from .errors import NoWorkersError, PlacementError, ScaleTimeoutError
-from .placement import (
-    WorkerInfo,
-    choose_backend,
-    order_workers,
-    plan_ranks,
-    rank_key,
-    select_workers,
-)
-
-if TYPE_CHECKING:
-    from .data import _collection_plan as _collections
+from . import _dask_internals, bootstrap, events
+from ._types import JobSpec
+from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, rank_key
 
 logger = logging.getLogger(__name__)
 
-_LOOK_AGAIN = 5.0  # seconds between looks for free workers when no change was announced
 
+def dataset_name(run_id: str) -> str:
+    """The name an attempt's rank futures are published under.
 
-def _resolve_names(info: Mapping[str, Mapping[str, Any]], requested: Any) -> Any:
-    """Let ``workers=`` name workers by their Dask name as well as by address."""
-    if requested is None or isinstance(requested, (int, str)):
-        return requested
-    by_name = {str(w.get("name")): addr for addr, w in info.items()}
-    return [r if r in info else by_name.get(str(r), r) for r in requested]
-
-
-@dataclasses.dataclass(frozen=True)
-class Size:
-    """How many workers a job runs on: at least ``min_workers``, at most ``max_workers``."""
-
-    min_workers: int
-    max_workers: int
-
-
-def job_size(
-    client: Client,
-    workers: int | Sequence[str] | None,
-    min_workers: int | None,
-    checkpoint_dir: str | os.PathLike[str] | None,
-) -> tuple[Size, int | list[str] | None]:
-    """Check ``workers=`` and ``min_workers=`` before anything starts; return the job's
-    size and the workers it asks for (names resolved to addresses)."""
-    if min_workers is not None:
-        if isinstance(workers, bool) or not isinstance(workers, int):
-            raise PlacementError(
-                f"min_workers={min_workers!r} needs workers= as a number (the most workers the "
-                f"job may use); got workers={workers!r}"
-            )
-        if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
-            raise PlacementError(
-                f"min_workers must be a whole number of at least 1; got {min_workers!r}"
-            )
-        if min_workers > workers:
-            raise PlacementError(
-                f"min_workers={min_workers} is more than workers={workers}: the job would never "
-                "start. Pass min_workers <= workers."
-            )
-        if min_workers < workers and checkpoint_dir is None:
-            raise PlacementError(
-                f"workers={workers}, min_workers={min_workers} resizes the job from its last "
-                "checkpoint, but it has no checkpoint_dir: pass checkpoint_dir='s3://bucket/run1' "
-                "(any fsspec URL the workers share) and save_checkpoint() in the function"
-            )
-        if min_workers < workers:
-            return Size(min_workers, workers), workers  # the cluster may grow into it
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    if not info:
-        raise NoWorkersError(client.scheduler.address)
-    requested = _resolve_names(info, workers)
-    chosen = select_workers({addr: w["host"] for addr, w in info.items()}, requested)
-    size = Size(len(chosen), len(chosen))
-    return size, list(chosen) if isinstance(requested, (list, tuple)) else requested
+    >>> dataset_name("3f2a9c1b2d4e-1")
+    'dask-ddp-3f2a9c1b2d4e-1'
+    """
+    return f"dask-ddp-{run_id}"
 
 
 @dataclasses.dataclass
 class Attempt:
-    """One placement of a job: its run id (attempt 0 uses the job id), ranks and store."""
+    """One placement of a job: where its ranks run, and how each of them ended.
 
+    Attributes
+    ----------
+    number : int
+        0 for the first placement, one more per restart or resize.
+    run_id : str
+        The job id for attempt 0, ``<job id>-<number>`` after; rank events carry it.
+    workers : list of str
+        Each rank's worker, in rank order.
+    keys : list of str
+        Each rank's task key.
+    ended : dict
+        Rank -> ``"memory"`` or ``"erred"`` once its task ended.
+    errors : dict
+        Rank -> the text of an erred task's exception (Dask's ``exception_text``).
+    markers : dict
+        Rank -> the outcome its final marker carried (:func:`dask_ddp.bootstrap.outcome_of`).
+    lost : dict
+        Rank -> the worker that left the cluster while the rank ran.
+    """
+
+    number: int
     run_id: str
-    attempt: int
     workers: list[str]
     backend: str
     store_worker: str
-    submit: Callable[[], list[Future]]
-    abandon: Callable[[], None]
-    sources: _traceback.Sources | None = None  # where the client's copy of fn lives
+    keys: list[str]
+    specs: list[bootstrap.RankSpec]
+    futures: list[Any] = dataclasses.field(default_factory=list)
+    ended: dict[int, str] = dataclasses.field(default_factory=dict)
+    errors: dict[int, str] = dataclasses.field(default_factory=dict)
+    markers: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    lost: dict[int, str] = dataclasses.field(default_factory=dict)
+    grow_requested: bool = False
+    reported: bool = False  # a rank of this attempt reported a record
+    published: bool = False  # its futures are published (every client can read them)
 
+    @property
+    def dataset(self) -> str:
+        return dataset_name(self.run_id)
 
-def job_name(fn: Callable[..., Any], args: tuple) -> str:
-    """What the job runs, for people: the script's file name, else the function's name.
+    def running(self) -> list[int]:
+        """Ranks whose task has neither ended nor lost its worker."""
+        return [r for r in range(len(self.workers)) if r not in self.ended and r not in self.lost]
 
-    >>> job_name(job_name, ())
-    'job_name'
-    >>> job_name(script.run_script, ("print(1)", "/home/ana/train.py", []))
-    'train.py'
-    """
-    if fn is script.run_script:
-        return os.path.basename(args[1])
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
+    def silent(self) -> set[int]:
+        """Ranks whose final marker will never come (their process is gone)."""
+        return set(self.lost) | {r for r, e in self.errors.items() if "KilledWorker" in e}
 
 
 class Launcher:
-    """Places a job on the cluster, for its first attempt and for every restart."""
+    """Prepares, submits and stops the attempts of one job.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        The scheduler plugin's own asynchronous client.
+    scheduler : distributed.Scheduler
+        The scheduler, for its worker table (hosts).
+    spec : JobSpec
+        The job as its client sent it.
+    gpus : dict
+        Worker address -> ``(gpu count, CUDA_VISIBLE_DEVICES)``, probed once per worker and
+        shared by every job (the plugin forgets a worker's entry when it leaves).
+    datasets : optional
+        The job's Dask collections (:class:`dask_ddp.data._collection_plan.Datasets`),
+        split between the ranks again for every attempt.
+    """
 
     def __init__(
-        self,
-        client: Client,
-        fn: Callable[..., Any],
-        args: tuple,
-        kwargs: dict[str, Any],
-        settings: config.Settings,
-        job_id: str,
-        size: Size,
-        requested: int | list[str] | None,
-        **rank_options: Any,
+        self, client: Any, scheduler: Any, spec: JobSpec, gpus: dict[str, Any], datasets: Any
     ) -> None:
-        self.client, self.fn, self.args, self.kwargs = client, fn, args, kwargs
-        self.settings, self.job_id, self.rank_options = settings, job_id, rank_options
-        self.size, self.requested = size, requested
-        self.name = job_name(fn, args)
-        self.sources = _traceback.Sources(fn)
-        self.claims = WorkerClaims(client, job_id)
-        self.datasets: _collections._Datasets | None = None
+        self.client, self.scheduler, self.spec = client, scheduler, spec
+        self.gpus, self.datasets = gpus, datasets
 
-    @property
-    def elastic(self) -> bool:
-        """Whether the job may run on fewer workers than its most."""
-        return self.size.min_workers < self.size.max_workers
-
-    def place(
-        self,
-        attempt: int,
-        *,
-        wait: bool = True,
-        on_wait: Callable[[str], None] | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> Attempt | None:
-        """Claim a whole set of workers (see :mod:`dask_ddp._claims`) and plan on them.
-
-        Keeps the workers the job still holds, adds free ones up to its size, and needs at
-        least its minimum. Without enough free workers it returns None (``wait=False``), or
-        waits for a change while holding nothing new: workers held by other jobs are waited
-        for as long as it takes, a cluster too small for the minimum up to
-        ``ddp.scale-timeout`` (``ddp.rendezvous-timeout`` for a fixed-size job's restart).
-        """
-        size = self.size
-        limit = self.settings.scale_timeout
-        if attempt > 0 and size.min_workers == size.max_workers:
-            limit = self.settings.rendezvous_timeout
-        short_since: float | None = None
-        while True:
-            info = self.client.scheduler_info(n_workers=-1)["workers"]
-            self.claims.release([w for w in self.claims.held if w not in info])
-            candidates = self._candidates(info, attempt)
-            if self.claims.take(candidates, want=size.max_workers, need=size.min_workers):
-                return self.prepare(attempt, self.claims.held, info)
-            if not wait:
-                return None
-            now = time.monotonic()
-            if len(info) >= size.min_workers:
-                short_since = None
-                why = (
-                    f"waiting for {size.min_workers} free workers: other jobs hold some of "
-                    f"the cluster's {len(info)}"
-                )
-            else:
-                short_since = now if short_since is None else short_since
-                if now - short_since > limit:
-                    raise ScaleTimeoutError(self.job_id, size.min_workers, len(info), limit)
-                why = (
-                    f"waiting for the cluster to grow: {len(info)} of at least "
-                    f"{size.min_workers} workers there ({limit - (now - short_since):.0f} s left)"
-                )
-            if on_wait is not None:
-                on_wait(why)
-            if cancelled is not None and cancelled():
-                return None
-            # A lease given up by a client that died is not announced: look again now and then.
-            self.claims.wait_for_change(_LOOK_AGAIN)
-
-    def _candidates(self, info: Mapping[str, Mapping[str, Any]], attempt: int) -> list[str]:
-        """The workers this attempt may run on, held ones first, then in rank order."""
-        if attempt == 0 and isinstance(self.requested, list):
-            return self.requested
-        ordered = order_workers([WorkerInfo(a, w["host"]) for a, w in info.items()])
-        held = [w for w in self.claims.held if w in info]
-        return held + [w.address for w in ordered if w.address not in held]
-
-    def try_grow(self, attempt: Attempt) -> bool:
-        """Claim free workers for a running elastic job below its size; when it got some,
-        ask its rank 0 to stop at the next checkpoint. False when nothing changed."""
-        size, held = self.size, len(self.claims.held)
-        if not self.elastic or held >= size.max_workers:
-            return False
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        candidates = self._candidates(info, attempt.attempt)
-        if not self.claims.take(candidates, want=size.max_workers, need=held + 1):
-            return False
-        self.client.run(
-            bootstrap.request_grow, attempt.run_id, workers=[attempt.store_worker],
-            on_error="ignore",
-        )  # fmt: skip
-        logger.info(
-            "job %s: %d more workers free; the job grows to %d ranks at its next checkpoint",
-            self.job_id, len(self.claims.held) - held, len(self.claims.held),
-        )  # fmt: skip
-        return True
-
-    def prepare(
-        self, attempt: int, workers: Sequence[str], info: Mapping[str, Mapping[str, Any]]
-    ) -> Attempt:
-        """Probe ``workers`` (claimed, each in ``info``, the scheduler's worker table), plan
-        the ranks on them and build their tasks, ready to submit."""
-        client, settings = self.client, self.settings
-        run_id = self.job_id if attempt == 0 else f"{self.job_id}-{attempt}"
-        chosen = list(workers)
-        rank0 = order_workers([WorkerInfo(a, info[a]["host"]) for a in chosen])[0]
-        can_grow = self.elastic and len(chosen) < self.size.max_workers
-        probes = client.run(
-            bootstrap.probe_worker, run_id, rank0.address, settings.rendezvous_timeout,
-            workers=chosen,
-        )  # fmt: skip
-
-        def abandon() -> None:
-            client.run(bootstrap.drop_store, run_id, workers=[rank0.address], on_error="ignore")
-
+    async def prepare(self, number: int, workers: Sequence[str], *, can_grow: bool) -> Attempt:
+        """Probe ``workers`` (held by the job), open rank 0's store, plan the ranks and build
+        their tasks' specs. Raises what placing them raises (a backend without GPUs, a
+        worker that left meanwhile, a dataset partition lost for good)."""
+        spec, settings = self.spec, self.spec.settings
+        run_id = spec.job_id if number == 0 else f"{spec.job_id}-{number}"
+        hosts = {a: self.scheduler.workers[a].host for a in workers}
+        rank0 = order_workers([WorkerInfo(a, hosts[a]) for a in workers])[0].address
+        targets = sorted({rank0, *(a for a in workers if a not in self.gpus)})
+        probes = await self.client.run(
+            bootstrap.probe_worker, run_id, rank0, settings.rendezvous_timeout, workers=targets
+        )
+        for address, probe in probes.items():
+            self.gpus[address] = (probe["gpu_count"], probe["cuda_visible_devices"])
+            if probe["busy"]:
+                logger.info(
+                    "job %s: worker %s is running %s; this job's rank waits for it (up to "
+                    "ddp.rendezvous-timeout for the other ranks)", run_id, address, probe["busy"],
+                )  # fmt: skip
         try:
-            for worker, probe in probes.items():
-                if probe["busy"]:
-                    logger.info(
-                        "job %s: worker %s is running %s; this job's rank waits for it "
-                        "(up to ddp.rendezvous-timeout for the other ranks)",
-                        run_id, worker, probe["busy"],
-                    )  # fmt: skip
             infos = [
                 WorkerInfo(
                     address=a,
-                    host=info[a]["host"],
+                    host=hosts[a],
                     gpu_count=settings.gpu_count
                     if settings.gpu_count is not None
-                    else probes[a]["gpu_count"],
-                    cuda_visible_devices=probes[a]["cuda_visible_devices"],
+                    else self.gpus[a][0],
+                    cuda_visible_devices=self.gpus[a][1],
                 )
-                for a in chosen
+                for a in workers
             ]
             backend, why = choose_backend(settings.backend, infos)
             plan = plan_ranks(infos)
-            # Each attempt splits the data again, for where its ranks and the partitions
-            # are now (a restart may run on other workers, after partitions were recomputed).
             shares = (
-                self.datasets.plan([p.worker for p in plan])
+                await self.datasets.plan(self.client, [p.worker for p in plan])
                 if self.datasets is not None
                 else [None] * len(plan)
             )
         except BaseException:
-            abandon()
+            await self._drop_store(run_id, rank0)
             raise
-        port = probes[rank0.address]["store_port"]
+        port = probes[rank0]["store_port"]
         logger.info(
             "job %s: attempt %d, %d ranks on %d hosts, backend %s (%s), rendezvous at %s:%d",
-            self.job_id, attempt, len(plan), plan[-1].node_rank + 1, backend, why, rank0.host,
+            spec.job_id, number, len(plan), plan[-1].node_rank + 1, backend, why, hosts[rank0],
             port,
         )  # fmt: skip
         specs = [
             bootstrap.RankSpec(
                 job_id=run_id,
-                key=rank_key(self.name, run_id, placement.rank),
-                attempt=attempt,
+                key=rank_key(spec.name, run_id, p.rank),
+                attempt=number,
                 backend=backend,
                 timeout=settings.timeout,
                 rendezvous_timeout=settings.rendezvous_timeout,
-                master_addr=rank0.host,
+                master_addr=hosts[rank0],
                 master_port=port,
                 threads_per_rank=settings.threads_per_rank,
                 allow_daemon_children=settings.allow_daemon_children,
                 tune_malloc=settings.tune_malloc,
-                placement=placement,
+                placement=p,
                 event_flush_interval=settings.event_flush_interval,
                 max_event_bytes=settings.max_event_bytes,
-                datasets=shares[placement.rank],
+                datasets=shares[p.rank],
                 can_grow=can_grow,
-                **self.rank_options,
+                topic=events.job_topic(spec.job_id),
+                **spec.rank_options,
             )
-            for placement in plan
+            for p in plan
+        ]
+        return Attempt(
+            number=number,
+            run_id=run_id,
+            workers=[p.worker for p in plan],
+            backend=backend,
+            store_worker=rank0,
+            keys=[s.key for s in specs],
+            specs=specs,
+        )
+
+    def submit(self, attempt: Attempt) -> None:
+        """Submit the attempt's rank tasks (they go out on the client's stream)."""
+        attempt.futures = [
+            self.client.submit(
+                bootstrap.run_rank,
+                self.spec.payload,
+                spec,
+                key=spec.key,
+                workers=[spec.placement.worker],
+                allow_other_workers=False,
+                pure=False,
+                retries=0,
+            )
+            for spec in attempt.specs
         ]
 
-        def submit() -> list[Future]:
-            futures: list[Future] = []
-            try:
-                for spec in specs:
-                    futures.append(
-                        client.submit(
-                            bootstrap.run_rank,
-                            self.fn,
-                            self.args,
-                            self.kwargs,
-                            spec,
-                            key=spec.key,
-                            workers=[spec.placement.worker],
-                            allow_other_workers=False,
-                            pure=False,
-                            retries=0,
-                        )
-                    )
-            except BaseException:
-                client.cancel(futures)
-                abandon()
-                raise
-            return futures
+    async def publish(self, attempt: Attempt) -> None:
+        """Publish the attempt's futures, so that every client can read them (and the
+        cluster keeps their values until the job is forgotten)."""
+        await self.client.publish_dataset(attempt.futures, name=attempt.dataset, override=True)
+        attempt.published = True
 
-        workers = [p.worker for p in plan]
-        return Attempt(
-            run_id, attempt, workers, backend, rank0.address, submit, abandon, self.sources
-        )
+    async def unpublish(self, attempt: Attempt) -> None:
+        """Let the cluster forget the attempt's futures (and the values they hold)."""
+        with contextlib.suppress(KeyError, OSError):  # gone already, or the scheduler is closing
+            await self.client.unpublish_dataset(attempt.dataset)
+        for future in attempt.futures:
+            future.release()
+        attempt.futures, attempt.published = [], False
+
+    # -- stopping ------------------------------------------------------------------------------
+    async def abort(
+        self, attempt: Attempt, ranks: Sequence[int], reason: str, failed_rank: int | None
+    ) -> set[str]:
+        """Ask ``ranks`` of ``attempt`` to stop; return the workers where none of its ranks
+        runs (queued behind another task, or done)."""
+        alive = set(self.scheduler.workers)
+        targets = sorted({attempt.workers[r] for r in ranks} & alive)
+        if not targets:
+            return set()
+        try:
+            aborted = await self.client.run(
+                bootstrap.abort_rank, attempt.run_id, reason, failed_rank, workers=targets,
+                on_error="return",
+            )  # fmt: skip
+        except Exception:
+            logger.debug("job %s: abort request failed", attempt.run_id, exc_info=True)
+            return set()
+        return {w for w, stopped in aborted.items() if stopped is False}
+
+    async def restart(self, attempt: Attempt, workers: Sequence[str], grace: float) -> None:
+        """Restart ``workers``, whose ranks did not stop within ``grace`` seconds."""
+        logger.warning(
+            "job %s: ranks on %s did not stop within %.0f s (blocked in a collective); "
+            "restarting those workers", attempt.run_id, list(workers), grace,
+        )  # fmt: skip
+        try:
+            await self.client.restart_workers(list(workers), raise_for_error=False)
+        except Exception:
+            logger.warning("job %s: could not restart %s", attempt.run_id, workers, exc_info=True)
+
+    def fail_lost(self, attempt: Attempt, rank: int, error: BaseException) -> None:
+        """Fail rank ``rank``'s task, left without a worker (its worker left or was
+        restarted), with ``error``: its future then says why it ended, whichever way it is
+        read, instead of waiting for a worker that will not come back."""
+        if _dask_internals.fail_task(self.scheduler, attempt.keys[rank], pickle.dumps(error)):
+            attempt.ended.setdefault(rank, "erred")
+            attempt.errors.setdefault(rank, f"{type(error).__name__}: {error}")
+
+    async def drop_store(self, attempt: Attempt) -> None:
+        """Close the attempt's store on rank 0's worker, if no rank took it."""
+        if attempt.store_worker in self.scheduler.workers:
+            await self._drop_store(attempt.run_id, attempt.store_worker)
+
+    async def _drop_store(self, run_id: str, worker: str) -> None:
+        try:
+            await self.client.run(bootstrap.drop_store, run_id, workers=[worker], on_error="return")
+        except Exception:
+            logger.debug("job %s: store cleanup failed", run_id, exc_info=True)
+
+    async def request_grow(self, attempt: Attempt) -> None:
+        """Ask the attempt's rank 0 to stop every rank at its next checkpoint."""
+        attempt.grow_requested = True
+        await self.client.run(
+            bootstrap.request_grow, attempt.run_id, workers=[attempt.store_worker],
+            on_error="return",
+        )  # fmt: skip
+
+
+async def wait_first(*waits: Any, timeout: float | None = None) -> None:
+    """Wait until the first of ``waits`` is done, or ``timeout`` seconds pass.
+
+    Each is a future (left as it is: a pool's grant, say) or a coroutine (an event's
+    ``wait()``: cancelled if it did not finish).
+    """
+    own = [asyncio.ensure_future(w) for w in waits if asyncio.iscoroutine(w)]
+    futures = [w for w in waits if not asyncio.iscoroutine(w)] + own
+    try:
+        await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in own:
+            task.cancel()

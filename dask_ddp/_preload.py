@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import re
 import signal
 import sys
 import threading
@@ -54,6 +55,30 @@ class RankComputeFailedFilter(logging.Filter):
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
 
+
+class LostRankValuesFilter(logging.Filter):
+    """Turns the scheduler's warning that a worker left with "already computed task(s),
+    which will be recomputed elsewhere" into one INFO line when those tasks are all rank
+    tasks: dask-ddp never recomputes a rank (its supervisor fails the task at once with
+    :class:`~dask_ddp.WorkerLostError`), so the warning would be wrong, and it would print
+    into every notebook that closes a LocalCluster after a job."""
+
+    _KEYS = re.compile(r"\{([^{}]*)\}")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage() if record.levelno == logging.WARNING else ""
+        if "lose already computed task(s)" in msg:
+            found = self._KEYS.search(msg)
+            keys = re.findall(r"'([^']*)'", found.group(1)) if found else []
+            if keys and all(is_rank_key(k) for k in keys):
+                record.msg = "%s (values of finished dask-ddp ranks: their futures now raise)"
+                record.args = (msg.split(", which will", 1)[0],)
+                record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+#: The filter dask-ddp's scheduler plugin puts on the scheduler's log while it runs.
+LOST_RANK_VALUES = LostRankValuesFilter()
 
 #: The one filter every worker of a dask-ddp job gets (see events.BlobHandler).
 RANK_FAILURES = RankComputeFailedFilter()

@@ -1,39 +1,44 @@
-"""A job's channel on the client: its ranks' events, back in order, into the job's model.
+"""A client's reading of one job: its event topic, back in order, into the job's model.
 
-:class:`EventReader` subscribes to an attempt's topic (:func:`dask_ddp.events.job_topic`)
-and to its workers' scheduler events before any rank is submitted. Event handlers run on
-the client's event loop and only hand the event on (``sink``); the supervisor's thread
-then calls :meth:`EventReader.handle`, which puts each rank's messages back in order
-(:class:`dask_ddp.events.RankStream`), fills gaps from the scheduler's history, fetches
-large messages from the rank's worker, and delivers the decoded messages to the
-:class:`~dask_ddp._model.JobModel` and the user's callbacks.
+:class:`EventReader` follows a job's topic (:func:`dask_ddp.events.job_topic`) on the
+client's event loop, the way ``distributed``'s progress bars follow the scheduler: a
+handler that only queues, and one coroutine, :meth:`EventReader.listen`, that takes the
+events in order. The supervisor's messages (state, placement, history, error) go to
+:meth:`JobModel.apply_state <dask_ddp._model.JobModel.apply_state>`; each rank's messages
+are put back in order (:class:`dask_ddp.events.RankStream`, one per rank and placement),
+gaps filled from the scheduler's history, large messages fetched from the rank's worker,
+and delivered to the model. The user's ``on_report``/``on_output`` callbacks run on a
+thread of their own, in order, never on the loop; the job's outcome is set only after the
+callbacks for every record before it ran.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
-import queue
-import time
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from distributed import Client
 
-from . import events
+from . import _dask_internals, _topics, events
 from ._model import JobModel
+from ._types import JobState
 
 logger = logging.getLogger(__name__)
 
 
 class EventReader:
-    """Reads one job's channel, attempt after attempt, into ``model``.
+    """Reads one job's topic, placement after placement, into ``model``.
 
     Parameters
     ----------
     client : distributed.Client
-        The job's client.
+        The client following the job.
     model : JobModel
-        Where decoded messages go.
+        Where the job's state and the ranks' messages go.
     on_report, on_output : callable, optional
         Called with each :class:`~dask_ddp.MetricRecord` / :class:`~dask_ddp.OutputLine`;
         the first exception stops the calls (it is logged and noted in the view).
@@ -48,196 +53,218 @@ class EventReader:
         on_output: Callable[[Any], Any] | None = None,
     ) -> None:
         self.client, self.model = client, model
+        self.topic = events.job_topic(model.job_id)
         self.callbacks: dict[str, Callable[[Any], Any] | None] = {
             "on_report": on_report,
             "on_output": on_output,
         }
-        self.run_id = ""
-        self.topic = ""
-        self.workers: list[str] = []
-        self.streams: list[events.RankStream] = []
-        self._unsubscribe: list[Callable[[], None]] = []
-
-    def subscribe(
-        self,
-        run_id: str,
-        workers: list[str],
-        sink: Callable[[str, Any], None],
-    ) -> None:
-        """Start reading a new attempt: ``sink("event", msg)`` for each event of its topic,
-        ``sink("lost", rank)`` when a rank's worker leaves the cluster."""
-        self.run_id, self.topic, self.workers = run_id, events.job_topic(run_id), list(workers)
-        self.streams = [events.RankStream() for _ in self.workers]
-        self._unsubscribe.append(
-            events.subscribe(self.client, self.topic, lambda ev: sink("event", ev[1]))
+        self._queue: asyncio.Queue[Any] | None = None
+        self._early: list[Any] = []  # events that came before the loop's queue existed
+        self._streams: dict[str, list[events.RankStream]] = {}  # run id -> one per rank
+        self._resumed: set[str] = set()  # run ids that began before this client followed
+        self._unfollow: Callable[[], None] | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._task: asyncio.Future[None] | None = None
+        self.caught_up = threading.Event()  # what the scheduler held from before was read
+        # Any thread may ask for a refresh; it happens on the client's loop.
+        model.schedule = lambda delay, fn: client.loop.add_callback(
+            client.loop.call_later, delay, fn
         )
 
-        def on_worker_event(rank: int, worker: str, event: Any) -> None:
-            msg = event[1]
-            current = rank < len(self.workers) and self.workers[rank] == worker
-            if isinstance(msg, dict) and msg.get("action") == "remove-worker" and current:
-                sink("lost", rank)
+    def follow(self) -> None:
+        """Subscribe to the job's topic; from now on no event is missed. Call it before
+        the job is launched (the launching client) or attached to."""
+        self._unfollow = _topics.follow(self.client, self.topic, self._receive)
 
-        for rank, worker in enumerate(self.workers):
-            self._unsubscribe.append(
-                events.subscribe(
-                    self.client, worker, lambda ev, r=rank, w=worker: on_worker_event(r, w, ev)
-                )
-            )
+    def start(self, *, resumed: tuple[str, ...] = ()) -> None:
+        """Start reading, on the client's loop; ``resumed``: the placements that began
+        before this client followed the job (read from their first event seen)."""
+        self._resumed.update(resumed)
+        self.client.loop.add_callback(self._begin, bool(resumed))
 
-    def unsubscribe(self) -> None:
-        """Stop the attempt's subscriptions (the events already queued are still handled)."""
-        for unsubscribe in self._unsubscribe:
-            try:
-                unsubscribe()
-            except Exception:
-                logger.debug("job %s: unsubscribe failed", self.model.job_id, exc_info=True)
-        self._unsubscribe.clear()
+    def _receive(self, event: Any) -> None:
+        # On the client's loop: only queue.
+        msg = event[1] if isinstance(event, tuple) else event
+        if self._queue is None:
+            self._early.append(msg)
+        else:
+            self._queue.put_nowait(msg)
 
-    def complete(self, ranks: Iterable[int]) -> bool:
-        """Whether ``ranks`` sent their final marker and everything before it arrived."""
-        return all(self.streams[r].complete for r in ranks)
+    async def _begin(self, history: bool) -> None:
+        self._queue = asyncio.Queue()
+        await self.fetch_futures()  # placed before this client followed it (or at launch)
+        for msg in self._early:
+            self._queue.put_nowait(msg)
+        self._early.clear()
+        self._task = asyncio.ensure_future(self.listen(history))
 
-    def missing(self, rank: int) -> str | None:
-        """What is missing from ``rank``'s stream, in words; None when it is complete."""
-        stream = self.streams[rank]
-        if stream.complete:
-            return None
-        if stream.end is None:
-            return "its final marker never arrived, so its last records may be missing"
-        return f"{stream.end - stream.next} of its {stream.end} messages never arrived"
+    async def listen(self, history: bool = False) -> None:
+        """Take the job's events in order until the supervisor says it has stopped."""
+        try:
+            if history:  # what the scheduler keeps of the job's events from before
+                for _, msg in await _dask_internals.topic_history(self.client, self.topic):
+                    if isinstance(msg, dict) and "rank" in msg:
+                        await self._rank_event(msg, history=True)
+            self.caught_up.set()
+            while not self.model.closed:
+                msg = await self._queue.get()
+                if not isinstance(msg, dict):
+                    continue
+                if msg.get("kind") == "state" and msg.get("job") == self.model.job_id:
+                    await self._state(msg)
+                elif "rank" in msg:
+                    await self._rank_event(msg)
+        except Exception:  # the job goes on in the cluster; this client stops following
+            logger.exception("job %s: reading its events failed", self.model.job_id)
+            self.model.note("this client stopped following the job's events (see the log)")
+            self.model.close()
+        finally:
+            self.caught_up.set()
+            self.stop()
 
-    def drain(
-        self,
-        ranks: Iterable[int],
-        timeout: float,
-        pump: Callable[[float], Any],
-        *,
-        warn: bool = False,
-    ) -> None:
-        """Wait until ``ranks`` have sent their final marker and everything before it.
+    async def _state(self, msg: dict[str, Any]) -> None:
+        self.model.apply_state(msg)
+        await self.fetch_futures()
+        state = JobState(msg["state"])
+        if state.final:
+            await self._callbacks_done()
+            if msg.get("stopped"):
+                self._warn_missing()
+                self.model.close()
+            else:
+                self.model.finish()
 
-        ``pump(seconds)`` handles the events queued meanwhile, raising ``queue.Empty``
-        when none came in time; then the gaps are filled from the scheduler once, and
-        what is still missing is given up (logged and noted when ``warn``).
-        """
-        ranks = sorted(ranks)
-        deadline = time.monotonic() + timeout
-        filled = False
-        while not self.complete(ranks):
-            try:
-                pump(max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                if filled:
-                    break
-                self.fill_gaps()
-                filled = True
-        for r in ranks:
-            what = self.missing(r)
-            if what is None or not warn:
-                continue
-            logger.warning(
-                "job %s: rank %d: %s after waiting %.0f s (ddp.event-drain-timeout)",
-                self.model.job_id, r, what, timeout,
-            )  # fmt: skip
-            self.model.note(f"rank {r}: {what}")
-
-    def handle(self, msg: Any, *, fill: bool = True) -> None:
-        """Take one event of the attempt's topic."""
-        if not isinstance(msg, dict) or msg.get("job") != self.run_id:
+    async def fetch_futures(self) -> None:
+        """Bind the current placement's published rank futures to this client as soon as
+        the supervisor announces them (``Job.futures`` and ``result()`` then wait for
+        nothing more)."""
+        name = self.model.dataset
+        if name is None or self.model.futures[0] == name:
             return
-        rank = msg.get("rank")
-        if not isinstance(rank, int) or not 0 <= rank < len(self.streams):
+        try:
+            futures = await self.client.get_dataset(name, asynchronous=True)
+        except KeyError:  # forgotten meanwhile: Job.futures says so when asked
             return
-        stream = self.streams[rank]
+        self.model.set_futures(name, list(futures))
+
+    async def _rank_event(self, msg: dict[str, Any], *, history: bool = False) -> None:
+        run_id, rank = msg.get("job"), msg.get("rank")
+        if not isinstance(rank, int) or rank < 0 or not self._ours(run_id):
+            return
+        streams = self._streams.setdefault(run_id, [])
+        while len(streams) <= rank:
+            streams.append(events.RankStream(resume=run_id in self._resumed or history))
+        stream = streams[rank]
         for event in stream.add(msg):
-            self._deliver(rank, event)
-        if fill and stream.has_gap and not stream.complete:
-            self.fill_gaps()
+            await self._deliver(run_id, rank, event, history=history)
+        if not history and stream.has_gap and not stream.complete:
+            await self._fill_gaps()
 
-    def fill_gaps(self) -> None:
+    def _ours(self, run_id: Any) -> bool:
+        """Whether ``run_id`` is one of this job's placements (``<job id>[-<attempt>]``)."""
+        job = self.model.job_id
+        return isinstance(run_id, str) and (run_id == job or run_id.startswith(f"{job}-"))
+
+    async def _fill_gaps(self) -> None:
         """Recover missed events from the scheduler's history of the topic; give up on
         what it no longer holds (it keeps the last 1000 events)."""
         try:
-            history = self.client.get_events(self.topic)
+            held = await _dask_internals.topic_history(self.client, self.topic)
         except Exception:
-            logger.debug("job %s: could not read the event history", self.run_id, exc_info=True)
-            history = ()
-        for _, msg in history:
-            self.handle(msg, fill=False)
-        for rank, stream in enumerate(self.streams):
-            while stream.blocked:
-                missing, ready = stream.skip_gap()
-                logger.warning(
-                    "job %s: %d messages from rank %d were lost on the way (the scheduler "
-                    "no longer holds them)",
-                    self.model.job_id,
-                    missing,
-                    rank,
-                )
-                self.model.note(f"rank {rank}: {missing} messages lost on the way")
-                for event in ready:
-                    self._deliver(rank, event)
+            logger.debug(
+                "job %s: could not read the event history", self.model.job_id, exc_info=True
+            )
+            held = ()
+        for _, msg in held:
+            run_id, rank = msg.get("job"), msg.get("rank")
+            streams = self._streams.get(run_id, [])
+            if isinstance(rank, int) and 0 <= rank < len(streams):
+                for event in streams[rank].add(msg):
+                    await self._deliver(run_id, rank, event)
+        for run_id, streams in self._streams.items():
+            for rank, stream in enumerate(streams):
+                while stream.blocked:
+                    missing, ready = stream.skip_gap()
+                    logger.warning(
+                        "job %s: %d messages from rank %d were lost on the way (the scheduler "
+                        "no longer holds them)", self.model.job_id, missing, rank,
+                    )  # fmt: skip
+                    self.model.note(f"rank {rank}: {missing} messages lost on the way")
+                    for event in ready:
+                        await self._deliver(run_id, rank, event)
 
-    def _deliver(self, rank: int, event: dict[str, Any]) -> None:
+    async def _deliver(
+        self, run_id: str, rank: int, event: dict[str, Any], *, history: bool = False
+    ) -> None:
         if "blob" in event:
             ref = event["blob"]
             try:
-                msgs = events.fetch_blob(self.client, ref)
-            except Exception as exc:  # the worker or the client is gone: shown, not raised
-                logger.exception(
-                    "job %s: a %d-byte message from rank %d could not be fetched from %s",
-                    self.model.job_id,
-                    ref["nbytes"],
-                    rank,
-                    ref["worker"],
-                )
+                msgs = await events.fetch_blob(self.client, ref)
+            except Exception as exc:  # the worker is gone, or another client took it
+                logger.warning(
+                    "job %s: a %d-byte message from rank %d could not be fetched from %s: %s",
+                    self.model.job_id, ref["nbytes"], rank, ref["worker"], exc,
+                )  # fmt: skip
                 self.model.note(f"rank {rank}: a {ref['nbytes']}-byte message was lost ({exc})")
                 return
         else:
             msgs = events.decode(event)
-        records, printed = self.model.add(rank, msgs)
+        current = run_id == self.model.run_id and not history
+        records, printed = self.model.add(rank, msgs, current=current)
         if records:
             self._call_back("on_report", records, "job.metrics")
         if printed:
             self._call_back("on_output", printed, "job.output")
 
     def _call_back(self, name: str, items: list[Any], kept_in: str) -> None:
-        """Call the user's ``on_report``/``on_output`` with each item; stop at its first error."""
-        callback = self.callbacks[name]
-        if callback is None:
+        """Run the user's ``on_report``/``on_output`` on each item, on the callbacks' own
+        thread, in order."""
+        if self.callbacks[name] is None:
             return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"dask-ddp-callbacks-{self.model.job_id}"
+            )
+        self._executor.submit(self._run_callback, name, items, kept_in)
+
+    def _run_callback(self, name: str, items: list[Any], kept_in: str) -> None:
         for item in items:
+            callback = self.callbacks[name]
+            if callback is None:
+                return
             try:
                 callback(item)
             except Exception as exc:
                 logger.exception(
-                    "job %s: %s raised on an item from rank %d; it is not called again "
-                    "for this job (everything stays in %s)",
-                    self.model.job_id,
-                    name,
-                    item.rank,
+                    "job %s: %s raised on an item from rank %d; it is not called again for "
+                    "this job (everything stays in %s)", self.model.job_id, name, item.rank,
                     kept_in,
-                )
+                )  # fmt: skip
                 self.callbacks[name] = None
                 self.model.note(f"{name} raised {type(exc).__name__}: {exc}; no longer called")
                 return
 
-    def drop_leftovers(self) -> None:
-        """Release the large messages the ranks still hold for the client (never fetched)."""
-        leftovers = [r for r, stream in enumerate(self.streams) if not stream.complete]
-        if not leftovers:
-            return
-        try:
-            alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-        except Exception:
-            alive = set()
-        # A worker that left or was restarted took them along; a call to its old address
-        # would wait for the connect timeout.
-        for rank in leftovers:
-            if self.workers[rank] not in alive:
-                continue
+    async def _callbacks_done(self) -> None:
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+
+    def _warn_missing(self) -> None:
+        """The job stopped: say which ranks' last records never arrived (this client's
+        subscription came late, or the scheduler dropped them)."""
+        streams = self._streams.get(self.model.run_id or "", [])
+        for rank, stream in enumerate(streams):
+            if stream.end is not None and not stream.complete:
+                text = f"{stream.end - stream.next} of its {stream.end} messages never arrived"
+                logger.warning("job %s: rank %d: %s", self.model.job_id, rank, text)
+                self.model.note(f"rank {rank}: {text}")
+
+    def stop(self) -> None:
+        """Stop following the job (it goes on in the cluster)."""
+        if self._unfollow is not None:
             try:
-                events.drop_blobs(self.client, self.workers[rank], self.run_id)
+                self._unfollow()
             except Exception:
-                logger.debug("job %s: could not release rank %d's leftovers", self.run_id, rank)
+                logger.debug("job %s: unsubscribe failed", self.model.job_id, exc_info=True)
+            self._unfollow = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)

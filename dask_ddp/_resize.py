@@ -21,7 +21,7 @@ class GrowAtCheckpoint(BaseException):
     """Unwinds the user's function after the checkpoint of ``step``.
 
     A BaseException, so that ``except Exception`` in training code lets it through; the rank
-    task turns it into :class:`~dask_ddp.errors.ResizeStopError`.
+    task then ends without an error (:class:`dask_ddp.bootstrap.Resized`).
     """
 
     def __init__(self, step: int) -> None:

@@ -102,6 +102,27 @@ def user_traceback(exc: BaseException) -> str:
     return text
 
 
+def plain_text(exc: BaseException, limit: int = 20_000) -> str:
+    """``exc``'s traceback as text with the author's frames only, where it was raised (on
+    the rank, for the job's page on the dashboard): no dask, distributed or dask_ddp frames,
+    no ``^^^`` markers, at most ``limit`` characters.
+
+    >>> try:
+    ...     raise ValueError("bad batch")
+    ... except ValueError as err:
+    ...     print(plain_text(err).splitlines()[-1])
+    ValueError: bad batch
+    """
+    shown = traceback.TracebackException.from_exception(exc)
+    part: traceback.TracebackException | None = shown
+    while part is not None:
+        kept = [f for f in part.stack if not f.filename.startswith(_LIBRARY_DIRS)]
+        part.stack = traceback.StackSummary.from_list(kept)
+        part = part.__cause__ or part.__context__
+    lines = "".join(shown.format()).splitlines(keepends=True)
+    return "".join(line for line in lines if not _CARETS.match(line))[-limit:]
+
+
 class _Rebuilt(Exception):
     pass
 

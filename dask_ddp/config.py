@@ -41,6 +41,8 @@ class Settings:
     event_flush_interval: float = 0.2
     event_drain_timeout: float = 10.0
     scale_timeout: float = 300.0
+    orphan_timeout: float = 600.0
+    max_resizes: int = 20
 
 
 def _seconds(value: Any, key: str) -> float:
@@ -94,4 +96,6 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
         event_flush_interval=_seconds(get("ddp.event-flush-interval"), "event-flush-interval"),
         event_drain_timeout=_seconds(get("ddp.event-drain-timeout"), "event-drain-timeout"),
         scale_timeout=_seconds(get("ddp.scale-timeout"), "scale-timeout"),
+        orphan_timeout=_seconds(get("ddp.orphan-timeout"), "orphan-timeout"),
+        max_resizes=_optional_int(get("ddp.max-resizes"), "max-resizes") or 0,
     )

@@ -13,7 +13,6 @@ function.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import numbers
 import operator
 import sys
@@ -24,12 +23,10 @@ from typing import TYPE_CHECKING, Any
 from . import _resize
 from . import checkpoint as _checkpoint
 from . import events as _events
-from ._slot import PROCESS, RankRun
+from ._slot import PROCESS, CheckpointSettings, RankContext, RankRun
 from .errors import CheckpointDirMissingError, NotInRankError
 
 if TYPE_CHECKING:
-    import torch
-
     from .data.collections import DatasetShard
 
 __all__ = [
@@ -40,59 +37,6 @@ __all__ = [
     "report",
     "save_checkpoint",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class RankContext:
-    """What a rank knows about itself, in torchrun's terms.
-
-    Attributes
-    ----------
-    rank : int
-        Global rank, ``0 <= rank < world_size``. Not stable across restarts.
-    local_rank : int
-        Rank among the ranks on this host, from 0.
-    world_size : int
-        Number of ranks in the job.
-    local_world_size : int
-        Number of ranks on this host.
-    node_rank : int
-        Index of this host among the job's hosts, from 0.
-    device : torch.device
-        ``cuda:0`` when the rank has a GPU (``CUDA_VISIBLE_DEVICES`` puts the rank's own GPU
-        first), else ``cpu``.
-    backend : str
-        The torch.distributed backend of the process group (``"gloo"`` or ``"nccl"``).
-    attempt : int
-        0 for the first run of the job, incremented on every restart.
-    job_id : str
-        The job's identifier; task keys are ``ddp_<name>_<id[:6]>_rank<rank>-<job_id>``.
-    worker : str
-        Address of the Dask worker running this rank.
-    master_addr, master_port
-        Where the process group's store listens (rank 0's host).
-
-    Examples
-    --------
-    >>> def train():                                # doctest: +SKIP
-    ...     ctx = dask_ddp.get_context()
-    ...     model = DDP(make_model().to(ctx.device))
-    ...     if ctx.rank == 0:
-    ...         print(f"{ctx.world_size} ranks on {ctx.backend}, attempt {ctx.attempt}")
-    """
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    device: torch.device
-    backend: str
-    attempt: int
-    job_id: str
-    worker: str
-    master_addr: str
-    master_port: int
 
 
 def _active_run(caller: str) -> RankRun:
@@ -225,18 +169,6 @@ def _rank_channel(caller: str) -> _events.RankChannel:
     return channel
 
 
-@dataclasses.dataclass(frozen=True)
-class _Checkpointing:
-    """Where the job's checkpoints go, resolved on the client."""
-
-    directory: str | None
-    keep_last: int | None = None
-    storage_options: dict[str, Any] | None = None
-    # an elastic job below its size: its ranks may stop at a checkpoint to grow, waiting
-    # at most this long for rank 0's decision (None: the job cannot grow)
-    grow_timeout: float | None = None
-
-
 def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | None:
     """Save ``state`` as the job's checkpoint for ``step``, atomically.
 
@@ -278,7 +210,7 @@ def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | No
     """
     run = _active_run("save_checkpoint")
     ctx = get_context()
-    settings = run.checkpointing or _Checkpointing(None)
+    settings = run.checkpointing or CheckpointSettings(None)
     if settings.directory is None:
         raise CheckpointDirMissingError(ctx.rank)
     info = None
@@ -325,7 +257,7 @@ def get_checkpoint() -> Any:
     """
     run = _active_run("get_checkpoint")
     ctx = get_context()
-    settings = run.checkpointing or _Checkpointing(None)
+    settings = run.checkpointing or CheckpointSettings(None)
     if settings.directory is None:
         return None
     found = _checkpoint.latest(
@@ -337,7 +269,7 @@ def get_checkpoint() -> Any:
 def _latest_checkpoint_url() -> str | None:
     """The URL of the job's newest checkpoint file, for libraries that load their own
     checkpoints from a path (Lightning's ``ckpt_path``); None when there is none."""
-    settings = _active_run("get_checkpoint").checkpointing or _Checkpointing(None)
+    settings = _active_run("get_checkpoint").checkpointing or CheckpointSettings(None)
     if settings.directory is None:
         return None
     found = _checkpoint.list_checkpoints(settings.directory, settings.storage_options)
@@ -393,12 +325,12 @@ def get_dataset_shard(name: str) -> DatasetShard:
 def _activated(
     run: RankRun,
     ctx: RankContext,
-    checkpointing: _Checkpointing | None = None,
+    checkpointing: CheckpointSettings | None = None,
     datasets: Mapping[str, Any] | None = None,
 ) -> Iterator[RankContext]:
     """Make ``ctx`` (with its checkpoints and its share of the datasets) what the user's
     function sees in ``run`` for the block; stop the shards' background fetches after it."""
-    run.context, run.checkpointing = ctx, checkpointing or _Checkpointing(None)
+    run.context, run.checkpointing = ctx, checkpointing or CheckpointSettings(None)
     run.dataset_plans, run.dataset_shards = dict(datasets or {}), {}
     try:
         yield ctx

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import _dashboard, view
+from . import _dashboard, _plugin, view
 
 __all__ = ["dask_setup"]
 
@@ -36,20 +36,19 @@ PANEL = "/individual-ddp-jobs"
 
 
 async def dask_setup(scheduler: Any) -> None:
-    """Install the ``/ddp/`` page's plugin when the scheduler starts (the preload hook)."""
-    await scheduler.register_scheduler_plugin(
-        _dashboard.DashboardPlugin(), name=_dashboard.PLUGIN_NAME, idempotent=True
-    )
+    """Install dask-ddp's plugin (jobs, the ``/ddp/`` page) when the scheduler starts."""
+    await _plugin.install_on(scheduler)
 
 
 def _panel_html(scheduler: Any, base: str) -> str:
     """The jobs, and the newest running (else newest) job drawn as the notebook draws it."""
-    plugin = scheduler.plugins.get(_dashboard.PLUGIN_NAME)
+    plugin = scheduler.plugins.get(_plugin.PLUGIN_NAME)
     if plugin is None:
-        return "dask-ddp's dashboard plugin is not installed on this scheduler."
+        return "dask-ddp's plugin is not installed on this scheduler."
     jobs = list(reversed(plugin.jobs.values()))
-    shown = next((j for j in jobs if j["state"] == "running"), jobs[0] if jobs else None)
-    return _dashboard.list_html(plugin, base) + (view.render_html(shown) if shown else "")
+    shown = next((j for j in jobs if j.state.value == "running"), jobs[0] if jobs else None)
+    html = _dashboard.list_html(plugin, base)
+    return html + (view.render_html(shown.summary()) if shown is not None else "")
 
 
 def _panel(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:

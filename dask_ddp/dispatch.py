@@ -1,15 +1,19 @@
 """Start a function as one torch.distributed rank per Dask worker.
 
 :func:`launch` is the full API and returns a :class:`~dask_ddp.job.Job`; :func:`run` keeps
-dask-pytorch-ddp's signature and returns the rank futures. Both check their arguments here,
-then place the job with :mod:`dask_ddp._launcher` (a whole set of workers, probed and
-planned, one pinned task per rank) and hand it to its :mod:`dask_ddp.supervise`.
+dask-pytorch-ddp's signature and returns the rank futures; :func:`launch_script` runs a
+torchrun-style script. They check their arguments here, on the client, pickle the function
+and its arguments once (the scheduler keeps the bytes and never unpickles them), and hand
+the job to dask-ddp's scheduler plugin (:mod:`dask_ddp._plugin`), where its supervisor
+(:mod:`dask_ddp.supervise`) runs it from then on, whether or not this client stays.
 """
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -17,25 +21,88 @@ from typing import Any
 import cloudpickle
 from distributed import Client, Future
 
-from . import config, script
-from ._launcher import Launcher, job_size
+from . import _dask_internals, _plugin, _traceback, config, script
+from ._model import JobModel
+from ._reader import EventReader
+from ._types import JobSpec, MetricRecord, OutputLine
 from .config import TimeoutLike
-from .errors import NotPicklableError
-from .job import Job, MetricRecord, OutputLine
-from .supervise import Supervisor
+from .errors import NotPicklableError, PlacementError
+from .job import Job
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["launch", "launch_script", "run"]
 
 
-def _check_picklable(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any]) -> None:
-    name = getattr(fn, "__qualname__", repr(fn))
-    for what, value in ((f"the function {name!r}", fn), ("its args", args), ("its kwargs", kwargs)):
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:
-            raise NotPicklableError(what, f"{type(exc).__name__}: {exc}") from exc
+def _pickled(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any]) -> bytes:
+    """``(fn, args, kwargs)`` pickled once, for the ranks; which part does not pickle, if
+    one does not."""
+    try:
+        return cloudpickle.dumps((fn, args, dict(kwargs)))
+    except Exception:
+        name = getattr(fn, "__qualname__", repr(fn))
+        for what, value in (
+            (f"the function {name!r}", fn),
+            ("its args", args),
+            ("its kwargs", kwargs),
+        ):
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                raise NotPicklableError(what, f"{type(exc).__name__}: {exc}") from exc
+        raise
+
+
+def job_name(fn: Callable[..., Any], args: tuple) -> str:
+    """What the job runs, for people: the script's file name, else the function's name.
+
+    >>> job_name(job_name, ())
+    'job_name'
+    >>> job_name(script.run_script, ("print(1)", "/home/ana/train.py", []))
+    'train.py'
+    """
+    if fn is script.run_script:
+        return os.path.basename(args[1])
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _check_size(
+    workers: int | Sequence[str] | None,
+    min_workers: int | None,
+    checkpoint_dir: str | os.PathLike[str] | None,
+) -> None:
+    """Check ``workers=`` and ``min_workers=`` against each other before anything starts
+    (the scheduler checks them against the cluster)."""
+    if min_workers is None:
+        return
+    if isinstance(workers, bool) or not isinstance(workers, int):
+        raise PlacementError(
+            f"min_workers={min_workers!r} needs workers= as a number (the most workers the "
+            f"job may use); got workers={workers!r}"
+        )
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+        raise PlacementError(
+            f"min_workers must be a whole number of at least 1; got {min_workers!r}"
+        )
+    if min_workers > workers:
+        raise PlacementError(
+            f"min_workers={min_workers} is more than workers={workers}: the job would never "
+            "start. Pass min_workers <= workers."
+        )
+    if min_workers < workers and checkpoint_dir is None:
+        raise PlacementError(
+            f"workers={workers}, min_workers={min_workers} resizes the job from its last "
+            "checkpoint, but it has no checkpoint_dir: pass checkpoint_dir='s3://bucket/run1' "
+            "(any fsspec URL the workers share) and save_checkpoint() in the function"
+        )
+
+
+def _launched_by() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # a container's uid without a name, and no USER/LOGNAME
+        user = f"uid {os.getuid()}" if hasattr(os, "getuid") else "?"
+    return f"{user}@{socket.gethostname()}"
 
 
 def launch(
@@ -57,6 +124,8 @@ def launch(
     storage_options: Mapping[str, Any] | None = None,
     datasets: Mapping[str, Any] | None = None,
     total_steps: int | None = None,
+    name: str | None = None,
+    detach: bool = False,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
@@ -82,13 +151,13 @@ def launch(
         the other and never deadlock at the rendezvous.
     min_workers : int, optional
         With ``workers=N``: start as soon as ``min_workers`` workers are free and run
-        elastically between the two (see docs/elastic.md). A lost worker restarts the job
-        from its last checkpoint on the workers left (counted against ``max_restarts``),
-        while at least ``min_workers`` remain; workers that join grow it back at its next
-        checkpoint (not counted). Needs ``checkpoint_dir``. Default: ``workers``, a fixed
-        size. The cluster may have fewer than N workers; fewer than ``min_workers`` for
-        longer than ``ddp.scale-timeout`` fails the job with
-        :class:`~dask_ddp.errors.ScaleTimeoutError`.
+        elastically between the two (see docs/elastic.md). A lost worker shrinks the job:
+        it resumes from its last checkpoint on the workers left; workers that join grow
+        it at its next checkpoint. Neither counts against ``max_restarts``; more than
+        ``ddp.max-resizes`` resizes in an hour fail the job. Needs ``checkpoint_dir``.
+        Default: ``workers``, a fixed size. The cluster may have fewer than N workers (an
+        adaptive cluster grows for the job); fewer than ``min_workers`` for longer than
+        ``ddp.scale-timeout`` fails the job with :class:`~dask_ddp.ScaleTimeoutError`.
     backend : {"gloo", "nccl", None}, optional
         torch.distributed backend; ``None`` reads ``ddp.backend`` (default: nccl when every
         worker sees a GPU, else gloo).
@@ -98,22 +167,23 @@ def launch(
     pass_local_rank : bool, optional
         Also pass ``local_rank=`` to ``fn`` (as dask-pytorch-ddp did).
     on_report : callable, optional
-        Called on the client with each :class:`~dask_ddp.job.MetricRecord` the ranks send
+        Called on this client with each :class:`~dask_ddp.MetricRecord` the ranks send
         with :func:`dask_ddp.report`, in each rank's order, as they arrive: forward them to
-        TensorBoard, MLflow or a file. It runs on the job's supervisor thread, never on a rank
-        or on the client's event loop; if it raises, the error is logged and it is not
-        called again for this job.
+        TensorBoard, MLflow or a file. It runs on a thread of its own, never on a rank or
+        on the client's event loop; if it raises, the error is logged and it is not called
+        again for this job. It runs only while this client is there: a job outlives its
+        client, its callbacks do not (see docs/jobs.md).
     on_output : callable, optional
-        Called on the client with each :class:`~dask_ddp.job.OutputLine` a rank prints
+        Called on this client with each :class:`~dask_ddp.OutputLine` a rank prints
         (``print()``, ``sys.stdout``, ``sys.stderr``) while ``fn`` runs, in each rank's
-        order; like ``on_report``, on the supervisor thread. The lines are also in
-        :attr:`Job.output` and the live view, and still in the worker's own log.
+        order; like ``on_report``. The lines are also in :attr:`Job.output` and the live
+        view, and still in the worker's own log.
     max_restarts : int, optional
         How many times to place the job again and rerun ``fn`` when a rank's worker is
-        lost (killed, out of memory, removed) or a rank raises
-        :class:`~dask_ddp.errors.RetryableError`. Each rerun sees
-        ``get_context().attempt`` incremented and ``get_checkpoint()`` returning the
-        last checkpoint. 0 (default) fails the job instead.
+        lost (killed, out of memory, removed) in a fixed-size job, or a rank raises
+        :class:`~dask_ddp.RetryableError`. Each rerun sees ``get_context().attempt``
+        incremented and ``get_checkpoint()`` returning the last checkpoint. 0 (default)
+        fails the job instead.
     checkpoint_dir : str, optional
         Any fsspec URL (``s3://bucket/run1``, a local path the workers share) where
         :func:`dask_ddp.save_checkpoint` writes and :func:`dask_ddp.get_checkpoint` reads.
@@ -137,17 +207,29 @@ def launch(
         How many steps the function trains (the ``step=`` it reports counts them from 0):
         the live view's bars then show steps done of it, percent, elapsed and time left, as
         tqdm does. Without it the bars are relative to the leading rank.
+    name : str, optional
+        A name for the job, unique among the cluster's running jobs: find it again with
+        ``dask_ddp.attach(client, name)``. Default: the function's name (not unique).
+    detach : bool, optional
+        Run to the end with no client at all. By default a job whose last client leaves
+        goes on for ``ddp.orphan-timeout`` (10 minutes) for a client to attach, then is
+        cancelled (see docs/jobs.md).
 
     Returns
     -------
     Job
         Handle with the rank futures, ``result()``, ``metrics``, ``cancel()`` and a live
-        notebook view.
+        notebook view. The job itself lives in the cluster (see :func:`dask_ddp.attach`).
 
     Raises
     ------
     NoWorkersError
-        The cluster has no workers.
+        The cluster has no workers (and does not scale itself: on an adaptive cluster, or
+        for an elastic job, ``launch`` waits for workers up to ``ddp.scale-timeout``).
+    SchedulerPluginError
+        The scheduler does not take dask-ddp's plugin (see docs/deploy.md).
+    JobNameTakenError
+        ``name=`` is the name of a job the cluster runs now.
     PlacementError
         ``workers=`` asks for more workers than there are, or names unknown ones;
         ``min_workers=`` is more than ``workers=``, or less without ``checkpoint_dir``.
@@ -162,11 +244,12 @@ def launch(
 
     Notes
     -----
-    Workers are claimed whole with Dask's own ``distributed.Semaphore`` and ``Lock``: a job
-    launched while others hold the workers it needs waits for them without holding any
-    (``launch`` returns at once; :meth:`Job.result` waits). A worker busy with a rank of a
-    job launched by an older dask-ddp (or another client's task) still queues this job's
-    rank, whose peers wait up to ``ddp.rendezvous-timeout``.
+    The job runs on the scheduler, in dask-ddp's plugin (installed by the first launch, or
+    by ``dask scheduler --preload dask_ddp``), which places it on whole sets of workers: a
+    job launched while others hold the workers it needs waits for them without holding
+    any (``launch`` returns at once; :meth:`Job.result` waits). A worker busy with another
+    client's task still queues this job's rank, whose peers wait up to
+    ``ddp.rendezvous-timeout``.
 
     Examples
     --------
@@ -197,6 +280,8 @@ def launch(
         storage_options=storage_options,
         datasets=datasets,
         total_steps=total_steps,
+        name=name,
+        detach=detach,
     )
 
 
@@ -220,58 +305,70 @@ def _launch(
     storage_options: Mapping[str, Any] | None = None,
     datasets: Mapping[str, Any] | None = None,
     total_steps: int | None = None,
+    name: str | None = None,
+    detach: bool = False,
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
     settings = config.resolve(backend=backend, timeout=timeout)
-    _check_picklable(fn, args, kwargs)
     if total_steps is not None and (isinstance(total_steps, bool) or total_steps < 1):
         raise ValueError(f"total_steps must be a whole number of at least 1; got {total_steps!r}")
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be 0 or more; got {max_restarts!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a whole number, 0 or more; got {max_restarts!r}")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"name= takes a non-empty str; got {name!r}")
+    _check_size(workers, min_workers, checkpoint_dir)
+    if isinstance(workers, (list, tuple)):
+        workers = [str(w) for w in workers]
+    payload = _pickled(fn, args, kwargs)
+    _plugin.install(client)
     job_id = uuid.uuid4().hex[:12]
-    size, requested = job_size(client, workers, min_workers, checkpoint_dir)
-    data = None
+    persisted = None
     if datasets:
         # Imported here: the data modules (PIL, fsspec, dask.dataframe) cost every launch
         # ~80 ms and 8 MB otherwise, and most jobs bring no Dask collection.
         from .data import _collection_plan as _collections
 
-        data = _collections._persist_datasets(client, datasets, job_id)
-    launcher = Launcher(
-        client, fn, args, kwargs, settings, job_id, size, requested,
-        pass_local_rank=pass_local_rank,
-        init_process_group=init_process_group,
-        checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-        keep_last=keep_last,
-        storage_options=dict(storage_options) if storage_options else None,
-    )  # fmt: skip
-    launcher.datasets = data
+        persisted = _collections._persist_datasets(client, datasets, job_id)
+        persisted.publish()  # the job's supervisor holds them from now on
+    spec = JobSpec(
+        job_id=job_id,
+        name=name or job_name(fn, args),
+        named=name is not None,
+        payload=payload,
+        settings=settings,
+        workers=workers,
+        min_workers=min_workers,
+        rank_options={
+            "pass_local_rank": pass_local_rank,
+            "init_process_group": init_process_group,
+            "checkpoint_dir": None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+            "keep_last": keep_last,
+            "storage_options": dict(storage_options) if storage_options else None,
+        },
+        max_restarts=max_restarts,
+        total_steps=total_steps,
+        client=client.id,
+        launched_by=_launched_by(),
+        detach=detach,
+        datasets=tuple(persisted.specs) if persisted is not None else (),
+        datasets_name=persisted.name if persisted is not None else None,
+        adaptive=_dask_internals.is_adaptive(client),
+    )
+    model = JobModel(job_id, spec.name)
+    model.total_steps = total_steps
+    reader = EventReader(client, model, on_report=on_report, on_output=on_output)
+    reader.follow()  # the cluster subscribes this client too, before any rank reports
     try:
-        # Placed now when enough workers are free; otherwise the supervisor waits for them.
-        launcher.claims.watch()
-        first = launcher.place(0, wait=False)
-        # The supervisor subscribes to the attempt's event topic before any rank is
-        # submitted. It releases the datasets' partitions and the workers when the job is
-        # done (succeeded, failed for good, or cancelled), restarts included.
-        return Supervisor(
-            client,
-            job_id,
-            launcher,
-            first,
-            failure_grace=settings.failure_grace,
-            drain_timeout=settings.event_drain_timeout,
-            max_restarts=max_restarts,
-            on_report=on_report,
-            on_output=on_output,
-            datasets=data,
-            total_steps=total_steps,
-        ).start()
+        state = _plugin.submit_job(client, spec)
     except BaseException:
-        launcher.claims.close()
-        if data is not None:
-            data.release()
+        reader.stop()
+        if persisted is not None:
+            client.unpublish_dataset(persisted.name)
         raise
+    model.apply_state(state)
+    reader.start()
+    return Job(client, model, reader, _traceback.Sources(fn))
 
 
 def launch_script(

@@ -9,13 +9,16 @@ exception with the same meaning (``TimeoutError``, ``ValueError``, ...), so exis
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BackendUnavailableError",
     "ChannelError",
-    "DashboardUnavailableWarning",
     "DaskDDPError",
     "JobCancelledError",
+    "JobNameTakenError",
     "JobNotFoundError",
+    "JobStillRunningError",
     "NoWorkersError",
     "NotInRankError",
     "NotPicklableError",
@@ -25,8 +28,9 @@ __all__ = [
     "RankFailedError",
     "RankStoppedError",
     "RendezvousTimeoutError",
-    "ResizeStopError",
     "ScaleTimeoutError",
+    "SchedulerPluginError",
+    "TooManyResizesError",
     "UnsafeResultPathError",
     "WorkerBusyError",
     "WorkerLostError",
@@ -213,22 +217,30 @@ class RankFailedError(DaskDDPError):
 
 
 class WorkerLostError(DaskDDPError):
-    """A rank's worker left the cluster while the rank ran. Raised on the client.
+    """A rank's worker left the cluster while the rank ran (or, ``finished=True``, after it
+    finished, taking the rank's return value along). Raised on the client.
 
-    With ``max_restarts=N`` the job restarts instead (from the last checkpoint).
+    With ``max_restarts=N`` a fixed-size job restarts instead (from the last checkpoint),
+    and an elastic job shrinks.
 
     Examples
     --------
-    >>> print(WorkerLostError(1, "tcp://10.0.0.7:40311", "dask-ddp-3f2a-rank-1"))
+    >>> print(WorkerLostError(1, "tcp://10.0.0.7:40311", "ddp_train-rank1-3f2a"))
     ... # doctest: +ELLIPSIS
     rank 1 was lost: its worker tcp://10.0.0.7:40311 left the cluster while it ran task ...
     """
 
-    def __init__(self, rank: int, worker: str, key: str) -> None:
-        super().__init__(rank, worker, key)
-        self.rank, self.worker, self.key = rank, worker, key
+    def __init__(self, rank: int, worker: str, key: str, finished: bool = False) -> None:
+        super().__init__(rank, worker, key, finished)
+        self.rank, self.worker, self.key, self.finished = rank, worker, key, finished
 
     def __str__(self) -> str:
+        if self.finished:
+            return (
+                f"rank {self.rank}'s return value was lost: its worker {self.worker} left the "
+                f"cluster after task {self.key} finished. The job succeeded; its values live "
+                "on the ranks' workers until the job is forgotten."
+            )
         return (
             f"rank {self.rank} was lost: its worker {self.worker} left the cluster while it ran "
             f"task {self.key} (killed, out of memory, or removed). The other ranks were stopped."
@@ -292,31 +304,6 @@ class RankStoppedError(DaskDDPError):
 
 #: A rank stopped because another rank failed first (the name of that case).
 PeerFailedError = RankStoppedError
-
-
-class ResizeStopError(RankStoppedError):
-    """Raised by every rank of an elastic job that stops at a checkpoint to grow.
-
-    The job then restarts from that checkpoint with more ranks; this is not a failure and
-    does not count against ``max_restarts``. Only the futures of the attempt that stopped
-    raise it; :meth:`Job.result() <dask_ddp.Job.result>` returns the last attempt's results.
-
-    Examples
-    --------
-    >>> print(ResizeStopError(1, 40))  # doctest: +ELLIPSIS
-    rank 1 stopped at its checkpoint of step 40: the job restarts there with more ranks ...
-    """
-
-    def __init__(self, rank: int, step: int) -> None:
-        super().__init__(rank, f"stopped at the checkpoint of step {step} to grow")
-        self.args = (rank, step)
-        self.step = step
-
-    def __str__(self) -> str:
-        return (
-            f"rank {self.rank} stopped at its checkpoint of step {self.step}: the job restarts "
-            "there with more ranks (workers joined the cluster); nothing failed"
-        )
 
 
 class ScaleTimeoutError(DaskDDPError, TimeoutError):
@@ -393,16 +380,60 @@ class JobCancelledError(DaskDDPError):
 
     Examples
     --------
-    >>> job.cancel(); job.result()  # doctest: +SKIP
-    JobCancelledError: job 3f2a was cancelled; launch it again to get a result
+    >>> print(JobCancelledError("3f2a"))
+    job 3f2a was cancelled (cancelled by the user); launch it again to get a result
     """
 
-    def __init__(self, job: str) -> None:
-        super().__init__(job)
-        self.job = job
+    def __init__(self, job: str, reason: str = "cancelled by the user") -> None:
+        super().__init__(job, reason)
+        self.job, self.reason = job, reason
 
     def __str__(self) -> str:
-        return f"job {self.job} was cancelled; launch it again to get a result"
+        return f"job {self.job} was cancelled ({self.reason}); launch it again to get a result"
+
+
+class TooManyResizesError(DaskDDPError, RuntimeError):
+    """An elastic job resized more often than ``ddp.max-resizes`` allows in an hour.
+
+    Examples
+    --------
+    >>> print(TooManyResizesError("3f2a", 20, 20, "shrink: rank 1 was lost"))
+    ... # doctest: +ELLIPSIS
+    job 3f2a resized 20 times in the last hour, the most ddp.max-resizes allows (20); ...
+    """
+
+    def __init__(self, job: str, resizes: int, limit: int, last: str) -> None:
+        super().__init__(job, resizes, limit, last)
+        self.job, self.resizes, self.limit, self.last = job, resizes, limit, last
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.job} resized {self.resizes} times in the last hour, the most "
+            f"ddp.max-resizes allows ({self.limit}); the last one: {self.last}. The cluster "
+            "keeps losing workers: find why they leave (memory, preemption), or raise "
+            "ddp.max-resizes."
+        )
+
+
+class JobNameTakenError(DaskDDPError, ValueError):
+    """``launch(name=)`` names a job like one the cluster runs now.
+
+    Examples
+    --------
+    >>> print(JobNameTakenError("nightly", "3f2a"))  # doctest: +ELLIPSIS
+    a job named 'nightly' runs on this cluster already (job 3f2a). ...
+    """
+
+    def __init__(self, name: str, job: str) -> None:
+        super().__init__(name, job)
+        self.name, self.job = name, job
+
+    def __str__(self) -> str:
+        return (
+            f"a job named {self.name!r} runs on this cluster already (job {self.job}). Pick "
+            f"another name, follow that job with dask_ddp.attach(client, {self.name!r}), or "
+            "cancel it first."
+        )
 
 
 class NotInRankError(DaskDDPError, RuntimeError):
@@ -466,20 +497,49 @@ class UnsafeResultPathError(DaskDDPError, ValueError):
         )
 
 
-class JobNotFoundError(DaskDDPError, ValueError):
-    """No dask_ddp job in this process owns the given futures.
+class JobStillRunningError(DaskDDPError, RuntimeError):
+    """``Job.forget()`` on a job that has not ended.
+
+    Examples
+    --------
+    >>> print(JobStillRunningError("3f2a", "running"))
+    job 3f2a is still running: cancel() it, or wait for it to end, then forget() it
+    """
+
+    def __init__(self, job: str, state: str) -> None:
+        super().__init__(job, state)
+        self.job, self.state = job, state
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.job} is still {self.state}: cancel() it, or wait for it to end, "
+            "then forget() it"
+        )
+
+
+class JobNotFoundError(DaskDDPError, LookupError):
+    """No dask_ddp job is what was asked for: the futures given belong to none, or the
+    cluster knows no job of that id or name.
 
     Examples
     --------
     >>> print(JobNotFoundError(["k1"]))  # doctest: +ELLIPSIS
     no dask_ddp job started from this client owns the futures [k1]. ...
+    >>> print(JobNotFoundError([], job="nightly"))  # doctest: +ELLIPSIS
+    the cluster knows no dask_ddp job 'nightly': ...
     """
 
-    def __init__(self, keys: list[str]) -> None:
-        super().__init__(keys)
-        self.keys = keys
+    def __init__(self, keys: list[str], job: str | None = None) -> None:
+        super().__init__(keys, job)
+        self.keys, self.job = keys, job
 
     def __str__(self) -> str:
+        if self.job is not None:
+            return (
+                f"the cluster knows no dask_ddp job {self.job!r}: it never ran here, or it was "
+                "forgotten (Job.forget(), or older than the last ddp.dashboard.max-jobs jobs). "
+                "dask_ddp.jobs(client) lists the jobs it knows."
+            )
         shown = ", ".join(map(str, self.keys[:3])) + (", ..." if len(self.keys) > 3 else "")
         return (
             f"no dask_ddp job started from this client owns the futures [{shown}]. Pass the "
@@ -488,26 +548,53 @@ class JobNotFoundError(DaskDDPError, ValueError):
         )
 
 
-class DashboardUnavailableWarning(UserWarning):
-    """The cluster's scheduler did not take dask-ddp's dashboard plugin: jobs train, but
-    the ``/ddp/`` page and the ``dask_ddp_*`` Prometheus gauges are not there.
+class SchedulerPluginError(DaskDDPError, RuntimeError):
+    """The cluster's scheduler did not take dask-ddp's plugin, which runs every job there.
 
     Examples
     --------
-    >>> print(DashboardUnavailableWarning("tcp://10.0.0.2:8786", ModuleNotFoundError("dask_ddp")))
+    >>> print(SchedulerPluginError("tcp://10.0.0.2:8786", ModuleNotFoundError("dask_ddp")))
     ... # doctest: +ELLIPSIS
-    the scheduler at tcp://10.0.0.2:8786 did not take dask-ddp's dashboard plugin ...
+    the scheduler at tcp://10.0.0.2:8786 did not take dask-ddp's plugin ...
     """
 
-    def __init__(self, scheduler: str, cause: BaseException) -> None:
+    def __init__(self, scheduler: str, cause: str) -> None:
         super().__init__(scheduler, cause)
         self.scheduler, self.cause = scheduler, cause
 
     def __str__(self) -> str:
         return (
-            f"the scheduler at {self.scheduler} did not take dask-ddp's dashboard plugin "
-            f"({type(self.cause).__name__}: {self.cause}); jobs train, but the cluster's "
-            "dashboard has no /ddp/ page. Install dask-ddp where the scheduler runs (or start "
-            "it with --preload dask_ddp.dashboard), or set ddp.dashboard.enabled: false to "
-            "stop trying."
+            f"the scheduler at {self.scheduler} did not take dask-ddp's plugin ({self.cause}). "
+            "dask-ddp runs each job's supervisor on the scheduler: install dask-ddp (and "
+            "torch) where the scheduler runs, and start it with `dask scheduler --preload "
+            "dask_ddp` where plugins cannot be registered at run time."
         )
+
+
+def to_wire(error: BaseException) -> dict[str, Any]:
+    """``error`` as plain values, as the scheduler sends a job's error to its clients.
+
+    >>> from_wire(to_wire(JobCancelledError("3f2a", "no client"))).reason
+    'no client'
+    """
+    text = str(error)
+    args = error.__reduce__()[1]  # what rebuilds it (OSError's args keep only two)
+    return {
+        "type": type(error).__name__,
+        "args": [a if isinstance(a, (str, int, float, type(None))) else str(a) for a in args],
+        "text": text,
+        "summary": getattr(error, "summary", None) or text.split("\n", 1)[0],
+        "traceback": getattr(error, "rank_traceback", None) or None,
+    }
+
+
+def from_wire(data: dict[str, Any]) -> DaskDDPError:
+    """The error :func:`to_wire` described: the same dask_ddp class, else a
+    :class:`DaskDDPError` with its text."""
+    cls = globals().get(data.get("type", ""))
+    if isinstance(cls, type) and issubclass(cls, DaskDDPError):
+        try:
+            return cls(*data.get("args", ()))
+        except TypeError:
+            pass
+    return DaskDDPError(data.get("text", "the job failed"))

@@ -1,50 +1,48 @@
-"""The one channel from every rank to the client, over Dask's event stream.
+"""The one channel from every rank to the job's supervisor and its clients, over Dask's
+event stream.
 
-Everything a rank says (``report()`` records, ``submit_result()`` payloads, the final
-count) goes through a :class:`RankChannel`: numbered messages, buffered on the rank and
-sent in batches by a background thread as ``Worker.log_event`` events on the job's own
-topic (:func:`job_topic`). On the client, :func:`subscribe` fans ``Client.subscribe_topic``
-out to every listener, and a :class:`RankStream` per rank puts the messages back in order.
+Everything a rank says (``report()`` records, printed lines, status, checkpoints,
+``submit_result()`` payloads, and how it ended) goes through a :class:`RankChannel`:
+numbered messages, buffered on the rank and sent in batches by a background thread as
+``Worker.log_event`` events on the job's own topic (:func:`job_topic`, one for all its
+attempts). The scheduler hands each event to the job's supervisor (the plugin's
+``log_event`` hook) and relays it to every client following the job, where a
+:class:`RankStream` per rank puts the messages back in order (:mod:`dask_ddp._reader`).
 
 Why it is built this way (measured on the real stack):
 
-- ``Worker.log_event`` costs 15-50 µs a call, so records are batched, one event per batch.
+- ``Worker.log_event`` costs 15-50 µs a call, so records are batched, one event per batch,
+  packed (msgpack) into one opaque value. Each event also says in the clear what the
+  supervisor needs (``told``: how many records, the last one, the rank's status, the
+  checkpoints that landed), so the scheduler never unpacks a batch.
 - The scheduler relays events and keeps the last 1000 per topic, so a message larger than
   ``ddp.max-event-bytes`` never travels through it: the rank keeps it in its worker's
-  memory and sends a reference; the client fetches it directly from that worker (a
-  handler that :class:`BlobHandler`, a worker plugin, installs on every worker), which
-  releases it on delivery.
-- Subscribing is asynchronous and events can be missed, so the client subscribes before
-  the ranks start (the subscription and the rank tasks travel in order on one comm),
-  messages are numbered per rank, each rank ends with a marker holding its count, and
-  gaps are filled from ``Client.get_events``.
-
-On the client, :func:`subscribe` follows a topic through :mod:`dask_ddp._topics` (one
-``Client.subscribe_topic`` per topic fanned out to every listener). Handlers run on the
-client's event loop: they must not block (the job only queues).
+  memory and sends a reference; a client fetches it directly from that worker (a handler
+  that :class:`BlobHandler`, a worker plugin the scheduler plugin installs, adds to every
+  worker), which releases it on delivery.
+- Events can be missed, so messages are numbered per rank, each rank ends with a marker
+  holding its count and how it ended (the supervisor decides on it), and gaps are filled
+  from the scheduler's history of the topic.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
 from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from . import _dask_internals, _preload, _topics
+from . import _dask_internals, _preload
+from ._progress import pick_curve_metric
 from .errors import ChannelError, NotInRankError
 
 logger = logging.getLogger(__name__)
-
-Handler = _topics.Handler
 
 #: Message kinds: a ``report()`` record ``[step, time, {name: value}]``, and a
 #: ``submit_result()`` payload ``[key, path, data]``.
@@ -70,19 +68,6 @@ def job_topic(job_id: str) -> str:
     return f"dask-ddp-{job_id}"
 
 
-# -- client: fan-out of Client.subscribe_topic -------------------------------------------
-def subscribe(client: Client, topic: str, handler: Handler) -> Callable[[], None]:
-    """Call ``handler(event)`` for each event on ``topic``; returns the unsubscribe call.
-
-    The subscription request is queued on the client's comm to the scheduler before
-    anything submitted afterwards, so a task submitted after this call cannot publish on
-    ``topic`` before the scheduler knows the subscriber.
-    """
-    unsubscribe = _topics.follow(client, topic, handler)
-    _start_blob_handler_registration(client)
-    return unsubscribe
-
-
 # -- the worker plugin serving large messages --------------------------------------------
 class BlobHandler(WorkerPlugin):
     """Serves large rank messages held on a worker to the client (see :func:`fetch_blob`).
@@ -100,38 +85,6 @@ class BlobHandler(WorkerPlugin):
 
     def teardown(self, worker: Any) -> None:
         _dask_internals.remove_worker_handler(worker, _HANDLER)
-
-
-# One registration per client, made and awaited on the client's event loop only.
-_registrations: weakref.WeakKeyDictionary[Client, asyncio.Future[Any]] = weakref.WeakKeyDictionary()
-
-
-async def register_blob_handler(client: Client) -> None:
-    """Install :class:`BlobHandler` on ``client``'s cluster, once per client.
-
-    A coroutine for the client's event loop: later calls wait for the first one's
-    registration (or retry it if it failed). :func:`subscribe` starts it without waiting,
-    and :func:`fetch_blob` waits for it before asking a worker, so callers need not call it;
-    a supervisor on the loop may ``await`` it to learn of a failure early.
-    """
-    registration = _registrations.get(client)
-    if registration is None or (registration.done() and registration.exception() is not None):
-        registration = asyncio.ensure_future(client.register_plugin(BlobHandler()))
-        _registrations[client] = registration
-    await asyncio.shield(registration)
-
-
-async def _register_quietly(client: Client) -> None:
-    try:
-        await register_blob_handler(client)
-    except Exception:  # retried by the next fetch, which raises it then
-        logger.debug("could not register the blob handler yet", exc_info=True)
-
-
-def _start_blob_handler_registration(client: Client) -> None:
-    """Start :func:`register_blob_handler` on the client's loop; never blocks, from the
-    loop's own thread too (the registration future is kept in ``_registrations``)."""
-    client.loop.add_callback(_register_quietly, client)
 
 
 # -- rank: the buffered, numbered channel ------------------------------------------------
@@ -211,7 +164,7 @@ class RankChannel:
     worker : distributed.Worker
         The worker running the rank (``distributed.get_worker()``).
     job_id : str
-        The job; events go to :func:`job_topic` of it.
+        The placement's run id (every event carries it).
     rank : int
         The rank sending.
     interval : float
@@ -219,6 +172,9 @@ class RankChannel:
         the buffer for others to batch with.
     max_event_bytes : int
         Largest event sent through the scheduler.
+    topic : str, optional
+        Where events go: the job's topic (:func:`job_topic` of the job's id, the same for
+        all its placements); by default that of ``job_id``.
 
     Examples
     --------
@@ -229,12 +185,19 @@ class RankChannel:
     """
 
     def __init__(
-        self, worker: Any, job_id: str, rank: int, *, interval: float, max_event_bytes: int
+        self,
+        worker: Any,
+        job_id: str,
+        rank: int,
+        *,
+        interval: float,
+        max_event_bytes: int,
+        topic: str | None = None,
     ) -> None:
         self._worker = worker
         self._job = job_id
         self._rank = rank
-        self._topic = job_topic(job_id)
+        self._topic = topic or job_topic(job_id)
         self._interval = interval
         self._budget = max(1, max_event_bytes - _EVENT_OVERHEAD)
         self._lock = threading.Lock()
@@ -250,6 +213,7 @@ class RankChannel:
         self._pid = os.getpid()
         self._status: list[Any] | None = None  # the newest status not yet sent
         self._said: tuple[str | None, str] = (None, "")  # the last status put: phase, detail
+        self._metric: str | None = None  # the curve's metric, as the views pick it
         self._thread = threading.Thread(
             target=self._run, name=f"dask-ddp-events-{job_id}-rank-{rank}", daemon=True
         )
@@ -298,8 +262,14 @@ class RankChannel:
             if not self._buffer:
                 self._wake.set()
 
-    def close(self) -> ChannelError | None:
+    def close(self, outcome: dict[str, Any] | None = None) -> ChannelError | None:
         """Send everything still buffered and the final marker; never raises.
+
+        Parameters
+        ----------
+        outcome : dict, optional
+            How the rank ended (see :func:`dask_ddp.bootstrap.outcome_of`), carried by the
+            final marker for the job's supervisor.
 
         Returns
         -------
@@ -315,7 +285,7 @@ class RankChannel:
         try:
             if self._error is None:
                 self._flush()
-            self._emit({"end": self._seq})
+            self._emit({"end": self._seq, "outcome": outcome or {"ok": True}})
         except Exception as exc:  # reported to the rank's caller, which raises it
             self._error = self._error or exc
         if self._error is None:
@@ -354,6 +324,7 @@ class RankChannel:
             self._wake.clear()
         pack = self._packer.pack
         parts: list[bytes] = []
+        told: dict[str, Any] = {}
         size = 0
         for kind, body in items:
             if kind == RESULT and _result_size(body) > self._budget:
@@ -363,23 +334,26 @@ class RankChannel:
                 packed = pack([kind, body])
                 n = len(packed)
             if parts and size + n > self._budget:
-                self._send(parts)
-                parts, size = [], 0
+                self._send(parts, told)
+                parts, size, told = [], 0, {}
             if packed is None or n > self._budget:
                 self._send_by_reference([kind, body], n)
             else:
                 parts.append(packed)
                 size += n
+                if kind == METRICS and self._metric is None and body[2]:
+                    self._metric = pick_curve_metric(body[2])
+                _tell(told, kind, body, self._metric)
         if parts:
-            self._send(parts)
+            self._send(parts, told)
 
     def _emit(self, fields: dict[str, Any]) -> None:
         self._worker.log_event(
             self._topic, {"job": self._job, "rank": self._rank, "seq": self._seq, **fields}
         )
 
-    def _send(self, parts: list[bytes]) -> None:
-        self._emit({"n": len(parts), "packed": b"".join(parts)})
+    def _send(self, parts: list[bytes], told: dict[str, Any]) -> None:
+        self._emit({"n": len(parts), "packed": b"".join(parts), "told": told})
         self._seq += len(parts)
 
     def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
@@ -393,6 +367,30 @@ class RankChannel:
                 _blobs.pop(key, None)
             raise
         self._seq += 1
+
+
+_TOLD_POINTS = 16  # curve points an event tells the supervisor, at most
+
+
+def _tell(told: dict[str, Any], kind: str, body: list[Any], metric: str | None) -> None:
+    """Add a message to what an event tells the job's supervisor in the clear (its
+    ``told`` field), so that the scheduler never unpacks a batch: how many records, the
+    first one's step and time and the last one (for rates), the curve's points
+    (``metric``'s values), the rank's latest status, and the checkpoints that landed."""
+    if kind == METRICS:
+        told["m"] = told.get("m", 0) + 1
+        told["last"] = body
+        step, when, values = body
+        told.setdefault("first", [step, when])
+        if metric in values:
+            points = told.setdefault("pts", [])
+            points.append([step if step is not None else told["m"], values[metric]])
+            if len(points) > 2 * _TOLD_POINTS:
+                del points[1:-1:2]  # thinned, the first and the last kept
+    elif kind == STATUS:
+        told["s"] = body
+    elif kind == CHECKPOINT:
+        told.setdefault("c", []).append(body)
 
 
 def hold_blob(key: str, msg: list[Any]) -> None:
@@ -446,14 +444,18 @@ class RankStream:
     ([], True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, resume: bool = False) -> None:
         self.next = 0  # sequence number of the next message to deliver
         self.end: int | None = None  # number of messages the rank sent, once it said so
         self.lost = 0
         self._pending: dict[int, dict[str, Any]] = {}
+        # A client that attaches to a running job starts where its first event starts.
+        self._resume = resume
 
     def add(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one event; return the events that are now deliverable, in order."""
+        if self._resume:
+            self.next, self._resume = int(event["seq"]), False
         if "end" in event:
             self.end = int(event["end"])
         seq, count = int(event["seq"]), _count(event)
@@ -493,44 +495,29 @@ class RankStream:
         return missing, ready
 
 
-async def _call_blob_handler(client: Client, worker: str, **kwargs: Any) -> Any:
-    await register_blob_handler(client)
-    return await client.rpc(worker).dask_ddp_blob(**kwargs)
-
-
-def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
-    """Fetch a message sent by reference, directly from the rank's worker.
-
-    The worker forgets it as it hands it over. Never touches the scheduler.
+async def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
+    """Fetch a message sent by reference, directly from the rank's worker (on the client's
+    event loop). The worker forgets it as it hands it over. Never touches the scheduler.
 
     Raises
     ------
     ChannelError
-        The worker no longer holds it (it restarted, or the job's leftovers were dropped).
+        The worker no longer holds it (it restarted, or the job was forgotten).
     OSError
         The worker cannot be reached.
     """
-    reply = client.sync(_call_blob_handler, client, ref["worker"], key=ref["key"])
+    reply = await _dask_internals.call_worker(client, ref["worker"], _HANDLER, key=ref["key"])
     if reply.get("status") != "OK":
         job, rank, _ = ref["key"].split("/")
         raise ChannelError(int(rank), job, f"{ref['worker']} no longer holds {ref['key']}")
     return [[kind, list(body)] for kind, body in reply["msgs"]]  # the comm made tuples
 
 
-def drop_blobs(client: Client, worker: str, job_id: str) -> int:
-    """Release every large message of ``job_id`` still held on ``worker``."""
-    reply = client.sync(_call_blob_handler, client, worker, drop_job=job_id, callback_timeout=10)
-    return int(reply.get("dropped", 0))
-
-
-def forget_topic(client: Client, topic: str) -> None:
-    """Let the scheduler drop a finished job's topic and the events it keeps for it.
-
-    The broker keeps the last 1000 events of every topic for the cluster's lifetime; a
-    finished job no longer needs them. Best effort: a scheduler without that broker layout,
-    or a topic someone else still follows, is left alone.
-    """
-    try:
-        client.run_on_scheduler(_dask_internals.drop_topic, topic, client.id)
-    except Exception:  # the client is closing, or the scheduler is gone: nothing to free
-        logger.debug("could not drop event topic %s on the scheduler", topic, exc_info=True)
+def drop_held(job_id: str, dask_worker: Any = None) -> int:
+    """Run on a worker (``Client.run``): release every large message of ``job_id`` (all its
+    attempts) that no client fetched; the job was forgotten."""
+    with _blobs_lock:
+        keys = [k for k in _blobs if k.startswith(f"{job_id}/") or k.startswith(f"{job_id}-")]
+        for key in keys:
+            del _blobs[key]
+    return len(keys)

@@ -1,39 +1,56 @@
-"""The client's handle on a job: its futures, its state, its outcome, its reports.
+"""The client's handle on a job that lives in the cluster: :class:`Job`, :func:`jobs`,
+:func:`attach`.
 
-A :class:`Job` is what :func:`dask_ddp.launch` returns. It reads the job's state, which
-the job's supervisor (:mod:`dask_ddp.supervise`) keeps up to date: the rank futures, the
-records the ranks reported (:func:`dask_ddp.report`), their checkpoints and printed lines,
-each rank's phase, and the outcome. The first rank to fail decides the job's error, and
-the supervisor stops the other ranks at once. Before :meth:`Job.result` returns, every
-rank's final marker has arrived, so every record a rank reported before its function
-returned is in :attr:`Job.metrics`.
+A job runs on the scheduler, in dask-ddp's plugin (:mod:`dask_ddp.supervise`), whether or
+not the client that launched it is still there. A :class:`Job` is one client's view of it:
+it follows the job's event topic (:mod:`dask_ddp._reader`) into a
+:class:`~dask_ddp._model.JobModel` and reads the job's state, history, records, printed
+lines and checkpoints from there; its rank futures are the ones the supervisor published,
+bound to this client. :func:`dask_ddp.launch` returns one; :func:`attach` gives one for a
+job another client launched (or this one, before a kernel restart); :func:`jobs` lists the
+jobs the cluster knows.
 
-The live view (``job`` as the last line of a notebook cell, or :meth:`Job.watch` in a
-terminal) runs on the client only.
+Before :meth:`Job.result` returns, every rank's final marker has arrived, so every record
+a rank reported before its function returned is in :attr:`Job.metrics`. The live view
+(``job`` as the last line of a notebook cell, or :meth:`Job.watch` in a terminal) runs on
+the client only.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any
 
 from distributed import Client, Future
 
-from . import checkpoint, view
-from ._model import AttemptInfo, JobModel, JobState, MetricRecord, OutputLine
-from .errors import JobNotFoundError
+from . import _plugin, _traceback, checkpoint, errors, view
+from ._model import JobModel
+from ._reader import EventReader
+from ._types import JobInfo, JobState, MetricRecord, OutputLine, Transition
+from .errors import JobNotFoundError, RankFailedError
 
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["AttemptInfo", "Job", "JobState", "MetricRecord", "OutputLine"]
+__all__ = [
+    "Job",
+    "JobInfo",
+    "JobState",
+    "MetricRecord",
+    "OutputLine",
+    "Transition",
+    "attach",
+    "jobs",
+]
 
 # Rank task key -> its job. Weak: a job lives as long as the user holds it or one of its
 # rank futures (each future refers to its job, see _register), so that
 # DaskResultsHandler.process_results(prefix, futures) finds the job behind run()'s list.
 _jobs_by_key: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
 _JOB_ATTR = "_dask_ddp_job"
+_CLOSE_WAIT = 30.0  # seconds cancel() waits for the supervisor's last word to arrive
+_BIND_WAIT = 10.0  # seconds Job.futures waits for the reader to bind them, then asks itself
 
 
 def _register(job: Job, futures: Sequence[Future]) -> None:
@@ -48,27 +65,22 @@ def _job_for(futures: Job | Sequence[Future]) -> Job:
     if isinstance(futures, Job):
         return futures
     keys = [str(getattr(f, "key", f)) for f in futures]
-    jobs = {id(j): j for j in (_jobs_by_key.get(k) for k in keys) if j is not None}
-    if not keys or len(jobs) != 1 or any(k not in _jobs_by_key for k in keys):
+    found = {id(j): j for j in (_jobs_by_key.get(k) for k in keys) if j is not None}
+    if not keys or len(found) != 1 or any(k not in _jobs_by_key for k in keys):
         raise JobNotFoundError(keys)
-    return next(iter(jobs.values()))
-
-
-class _Supervising(Protocol):
-    """What a Job asks of its supervisor (:class:`dask_ddp.supervise.Supervisor`)."""
-
-    def cancel(self, reason: str) -> None: ...
-
-    def join(self, timeout: float | None = None) -> bool: ...
+    return next(iter(found.values()))
 
 
 class Job:
-    """Handle on a job started by :func:`dask_ddp.launch`.
+    """One client's handle on a job started by :func:`dask_ddp.launch` (or found with
+    :func:`dask_ddp.attach`).
 
     Attributes
     ----------
     job_id : str
-        Identifier; rank task keys are ``ddp_<name>_<id[:6]>_rank<rank>-<job_id>``.
+        Identifier; rank task keys are ``ddp_<name>-rank<rank>-<job_id>[-<attempt>]``.
+    name : str
+        ``launch(name=)``, else the function's (or script's) name.
 
     Examples
     --------
@@ -81,24 +93,53 @@ class Job:
     """
 
     def __init__(
-        self, client: Client, job_id: str, model: JobModel, supervisor: _Supervising
+        self,
+        client: Client,
+        model: JobModel,
+        reader: EventReader,
+        sources: _traceback.Sources | None = None,
     ) -> None:
         self.client = client
-        self.job_id = job_id
+        self.job_id = model.job_id
         self._model = model
-        self._supervisor = supervisor
+        self._reader = reader
+        self._sources = sources  # the client's copy of the function, for tracebacks
+        self._error: tuple[Any, BaseException | None] = (None, None)
+
+    @property
+    def name(self) -> str:
+        """The job's name (``launch(name=)``, else its function's or script's)."""
+        return self._model.name
 
     @property
     def futures(self) -> list[Future]:
-        """The current attempt's rank futures, in rank order. A job waiting for workers has
-        none yet: this waits until it is placed (:meth:`wait_placed` takes a timeout), and is
-        empty if it ended first (cancelled, :class:`~dask_ddp.ScaleTimeoutError`)."""
+        """The current placement's rank futures, in rank order, bound to this client.
+
+        A job waiting for workers has none yet: this waits until it is placed
+        (:meth:`wait_placed` takes a timeout), and is empty if it ended first (cancelled,
+        :class:`~dask_ddp.ScaleTimeoutError`). Every future of a failed job raises the
+        failing rank's error, or :class:`~dask_ddp.RankStoppedError` naming that rank.
+        """
         self.wait_placed()
-        return list(self._model.futures)
+        model = self._model
+        with model.cond:  # bound by the reader as soon as they were announced
+            model.cond.wait_for(lambda: model.futures[0] == model.dataset, _BIND_WAIT)
+            name, futures = model.futures
+        if name is None or name != model.dataset:
+            name = model.dataset
+            if name is None:
+                return []
+            try:
+                futures = list(self.client.get_dataset(name))
+            except KeyError:
+                raise JobNotFoundError([], job=self.job_id) from None
+            model.set_futures(name, futures)
+        _register(self, futures)
+        return list(futures)
 
     @property
     def workers(self) -> list[str]:
-        """The worker address of each rank of the current attempt, in rank order."""
+        """The worker address of each rank of the current placement, in rank order."""
         return list(self._model.workers)
 
     @property
@@ -108,8 +149,8 @@ class Job:
 
     @property
     def topic(self) -> str:
-        """The Dask event topic the current attempt's ranks report on."""
-        return self._model.topic
+        """The Dask event topic the job's ranks report on (every placement)."""
+        return self._reader.topic
 
     @property
     def state(self) -> JobState:
@@ -118,11 +159,11 @@ class Job:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks."""
+        """Number of ranks of the current placement."""
         return len(self._model.workers)
 
     def done(self) -> bool:
-        """True once every rank has finished, or the job failed or was cancelled."""
+        """True once the job succeeded, failed or was cancelled."""
         return self._model.done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -132,7 +173,9 @@ class Job:
     def result(self, timeout: float | None = None) -> list[Any]:
         """Every rank's return value, in rank order.
 
-        When it returns, :attr:`metrics` holds every record the ranks reported.
+        When it returns, :attr:`metrics` holds every record the ranks reported. The cluster
+        keeps the values until the job is forgotten (:meth:`forget`, or the oldest finished
+        jobs past ``ddp.dashboard.max-jobs``), so any client may read them meanwhile.
 
         Parameters
         ----------
@@ -150,17 +193,40 @@ class Job:
         TimeoutError
             ``timeout`` passed first.
         """
-        if not self._model.done.wait(timeout):
-            raise TimeoutError(f"job {self.job_id} did not finish within {timeout} s")
-        if self._model.error is not None:
-            raise self._model.error
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
         return self.client.gather(self.futures)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The job's error once it is done, or None if it succeeded."""
         if not self._model.done.wait(timeout):
             raise TimeoutError(f"job {self.job_id} did not finish within {timeout} s")
-        return self._model.error
+        wire = self._model.error
+        if wire is None:
+            return None
+        if self._error[0] is not wire:
+            self._error = (wire, self._rebuild(wire))
+        return self._error[1]
+
+    def _rebuild(self, wire: dict[str, Any]) -> BaseException:
+        """The job's error as the supervisor described it; a rank's error comes with the
+        rank's own exception (unpickled here, from its future) and traceback."""
+        error = errors.from_wire(wire)
+        if not isinstance(error, RankFailedError):
+            return error
+        try:
+            own = self.futures[error.rank].exception(timeout=10)
+        except Exception:  # forgotten, or its class is not importable here: the text stays
+            own = None
+        if own is None or isinstance(own, errors.RankStoppedError):
+            return error
+        own = _traceback.rebuild(own, self._sources)
+        rebuilt = RankFailedError(
+            error.rank, error.worker, error.key, error.cause, _traceback.user_traceback(own)
+        )
+        rebuilt.__cause__ = own
+        return rebuilt
 
     def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop every rank and release their workers; :meth:`result` then raises.
@@ -168,7 +234,20 @@ class Job:
         Returns once the ranks have stopped (their workers are restarted if a rank does not
         stop within ``ddp.failure-grace``).
         """
-        self._supervisor.cancel(reason)
+        _plugin.cancel_job(self.client, self.job_id, reason)
+        with self._model.cond:  # the supervisor's last message, on its way here
+            self._model.cond.wait_for(lambda: self._model.closed, _CLOSE_WAIT)
+
+    def forget(self) -> None:
+        """Let the cluster forget this finished job: its record, its ranks' return values
+        (:meth:`result` no longer works, here or in any client) and its events.
+
+        Raises
+        ------
+        JobStillRunningError
+            The job has not ended: cancel it, or wait for it, first.
+        """
+        _plugin.forget_job(self.client, self.job_id)
 
     @property
     def checkpoints(self) -> list[checkpoint.CheckpointInfo]:
@@ -186,29 +265,32 @@ class Job:
         return self._model.attempt + 1
 
     @property
-    def history(self) -> list[AttemptInfo]:
-        """Each placement so far, first to last: an :class:`~dask_ddp.AttemptInfo` (ranks, why,
-        seconds to its first step). An elastic job has one per size it ran at.
+    def history(self) -> list[Transition]:
+        """Every change of the job's state so far, first to last: a
+        :class:`~dask_ddp.Transition` each (the state entered, why, when, the placement's
+        size; a ``running`` entry also says how long until its first reported step).
 
-        >>> [(a.world_size, a.reason[:22]) for a in job.history]  # doctest: +SKIP
-        [(3, 'started'), (2, 'rank 2 was lost: its w')]
+        >>> [(t.state.value, t.world_size) for t in job.history]  # doctest: +SKIP
+        [('running', 3), ('resizing', 3), ('running', 2), ('succeeded', 2)]
         """
         with self._model.cond:
             return list(self._model.history)
 
     def wait_placed(self, timeout: float | None = None) -> bool:
-        """Block until the ranks are submitted (:attr:`futures` is filled) or the job is
-        done; False if ``timeout`` seconds passed first. A job waits for workers that other
-        jobs hold."""
+        """Block until the ranks are submitted (:attr:`futures` can be read) or the job is
+        done; False if ``timeout`` seconds passed first. A job waits for workers that
+        other jobs hold."""
         model = self._model
         with model.cond:
-            return model.cond.wait_for(lambda: model.futures or model.done.is_set(), timeout)
+            return model.cond.wait_for(lambda: model.dataset or model.done.is_set(), timeout)
 
     @property
     def metrics(self) -> list[MetricRecord]:
         """Every :func:`dask_ddp.report` record received so far, in arrival order.
 
-        Each rank's records are in the order the rank reported them. Returns a copy.
+        Each rank's records are in the order the rank reported them. A client that
+        attached to a running job has the records the cluster still held (its last 1000
+        events), then every new one. Returns a copy.
 
         Examples
         --------
@@ -301,11 +383,12 @@ class Job:
     ) -> dict[str, Any]:
         """The state the live view draws, as a dict; optionally once ``until(state)`` holds.
 
-        Keys: ``job``, ``state``, ``backend``, ``elapsed``, ``attempts``, ``records``,
-        ``total``, ``metric``, ``error`` (one line), ``traceback``, ``notes``, ``waiting``,
-        ``output`` and ``ranks``: per rank ``rank``, ``worker``, ``status`` (submitted,
-        queued, joining, running, failed, stopped, or its future's), ``activity``,
-        ``count``, ``step``, ``last``, ``rate``, ``step_rate``, ``error`` and ``curve``.
+        Keys: ``job``, ``name``, ``state``, ``backend``, ``elapsed``, ``attempts``,
+        ``records``, ``total``, ``metric``, ``error`` (one line), ``traceback``, ``notes``,
+        ``waiting``, ``output`` and ``ranks``: per rank ``rank``, ``worker``, ``status``
+        (submitted, queued, joining, running, finished, failed, stopped, lost),
+        ``activity``, ``count``, ``step``, ``last``, ``rate``, ``step_rate``, ``error`` and
+        ``curve``.
 
         Parameters
         ----------
@@ -327,20 +410,21 @@ class Job:
         """
         return self._model.wait_state(until, timeout)
 
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Wait until the job's ranks have stopped and its workers are free again (after a
+        failure that can take ``ddp.failure-grace`` and a worker restart longer than the
+        outcome); False if ``timeout`` passed first."""
+        with self._model.cond:
+            return self._model.cond.wait_for(lambda: self._model.closed, timeout)
+
     def _take_results(self, key: str) -> Iterator[tuple[int, str, Any]]:
         """Pop results sent with ``key`` as they arrive, until the job's channel closes."""
         return self._model.take_results(key)
 
-    def _wait_stopped(self, timeout: float | None = None) -> bool:
-        """Wait until the job's ranks are stopped and its resources released (after
-        ``result()`` raised for a failure, that can take ``ddp.failure-grace`` and a worker
-        restart longer); False if ``timeout`` passed first."""
-        return self._supervisor.join(timeout)
-
     def __repr__(self) -> str:
         return (
-            f"<dask_ddp.Job {self.job_id}: {self.state.value}, {self.world_size} ranks, "
-            f"{self.backend}, {len(self._model.metrics)} reports>"
+            f"<dask_ddp.Job {self.job_id} ({self.name}): {self.state.value}, "
+            f"{self.world_size} ranks, {self.backend}, {len(self._model.metrics)} reports>"
         )
 
     def _repr_html_(self) -> str:
@@ -348,8 +432,7 @@ class Job:
 
     def _ipython_display_(self) -> None:
         """The live view: ipywidgets progress bars per rank, a loss curve and errors,
-        refreshed by the supervisor while the job runs (a self-updating HTML display
-        when ipywidgets is not installed)."""
+        refreshed while the job runs (a self-updating HTML display without ipywidgets)."""
         from IPython.display import display
 
         shown: view.WidgetView | view.HandleView
@@ -361,6 +444,76 @@ class Job:
         self._model.views.append(shown)
         if self._model.closed:
             shown.update(self._model.snapshot())
+
+
+def jobs(client: Client) -> list[JobInfo]:
+    """The jobs the cluster knows: running, waiting, and the last finished ones, newest
+    first, whoever launched them.
+
+    Examples
+    --------
+    >>> [(j.job_id, j.name, j.state.value) for j in dask_ddp.jobs(client)]  # doctest: +SKIP
+    [('3f2a9c1b2d4e', 'nightly', 'running')]
+    """
+    return [
+        JobInfo(
+            job_id=row["job"],
+            name=row["name"],
+            state=JobState(row["state"]),
+            launched_by=row["launched_by"],
+            started=row["started"],
+            world_size=row["ranks"],
+            step=row["step"],
+            attempts=row["attempts"],
+            followers=row["followers"],
+            detached=row["detached"],
+            error=row["error"],
+        )
+        for row in _plugin.list_jobs(client)
+    ]
+
+
+def attach(client: Client, job: str) -> Job:
+    """Follow a job the cluster runs (or ran recently), whoever launched it.
+
+    The job's state, history, checkpoints and each rank's progress so far come at once;
+    its records from the events the cluster still holds, then each new one as it comes;
+    :meth:`Job.result`, :meth:`Job.cancel`, :attr:`Job.futures` and the live view work as
+    for the client that launched it. A job whose last client left is followed again (its
+    ``ddp.orphan-timeout`` stops). ``on_report`` callbacks of the client that launched it
+    do not move here: iterate :meth:`Job.iter_metrics` instead.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        A client of the job's cluster.
+    job : str
+        The job's id, or its name (the running job of that name, else the newest).
+
+    Raises
+    ------
+    JobNotFoundError
+        The cluster knows no such job (never ran there, or was forgotten).
+
+    Examples
+    --------
+    >>> job = dask_ddp.attach(client, "nightly")   # doctest: +SKIP
+    >>> job.history[-1].state, job.metrics[-1]      # doctest: +SKIP
+    >>> job.result()                                # doctest: +SKIP
+    """
+    state = _plugin.attach_job(client, job)  # the cluster sends this client its events now
+    model = JobModel(state["job"], state["name"])
+    reader = EventReader(client, model)
+    reader.follow()  # what came meanwhile is in the scheduler's history, read first
+    model.apply_state(state)
+    model.seed(state["summary"], state["checkpoints"])
+    if JobState(state["state"]).final:
+        model.finish()
+    if state.get("stopped"):
+        model.close()
+    reader.start(resumed=(state["run_id"],) if state.get("run_id") else ())
+    reader.caught_up.wait(_CLOSE_WAIT)  # Job.metrics has the records the cluster held
+    return Job(client, model, reader)
 
 
 def _metrics_frame(records: list[MetricRecord]) -> pandas.DataFrame:

@@ -283,20 +283,23 @@ def select_workers(
 
 
 def rank_key(name: str, run_id: str, rank: int) -> str:
-    """A rank task's key: Dask's task stream and progress bars name tasks after the key's
-    leading words (``dask.utils.key_split``), so they say the job's name, its id and the rank.
+    """A rank task's key. Dask's task stream, progress bars and Prometheus metrics group
+    tasks by the key's leading words (``dask.utils.key_split``): here ``ddp_<name>``, the
+    same for every job of one function, so that the scheduler's per-prefix state stays
+    bounded however many jobs run. The rank and the job's run id follow, for the
+    ``/ddp/`` page and for people reading a key.
 
     >>> rank_key("train.py", "3f2a9c1b2d4e-1", 0)
-    'ddp_train_py_3f2a9c_rank0-3f2a9c1b2d4e-1'
+    'ddp_train_py-rank0-3f2a9c1b2d4e-1'
     >>> from dask.utils import key_split
-    >>> key_split(rank_key("Trainer.fit.<locals>.step", "3f2a9c1b2d4e", 1))
-    'ddp_Trainer_fit_locals_step_3f2a9c_rank1'
+    >>> key_split(rank_key("Trainer.fit.<locals>.step", "abcdefabcdef", 1))
+    'ddp_Trainer_fit_locals_step'
     """
     word = re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_")[:40] or "fn"
-    return f"ddp_{word}_{run_id[:6]}_rank{rank}-{run_id}"
+    return f"ddp_{word}-rank{rank}-{run_id}"
 
 
-_RANK_KEY = re.compile(r"ddp_\w*_rank\d+-[0-9a-f]+(-\d+)?$")
+_RANK_KEY = re.compile(r"ddp_\w*-rank\d+-[0-9a-f]+(-\d+)?$")
 
 
 def is_rank_key(key: object) -> bool:

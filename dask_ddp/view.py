@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ._types import FINAL_STATES
+
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
 
 
@@ -22,7 +24,6 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-FINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 _SMOOTHING = 0.6  # the weight TensorBoard's smoothing slider starts at
 _LOG_SPAN = 100.0  # a metric spanning more than two decades is drawn on a log axis
 

@@ -1,4 +1,5 @@
-"""The /ddp/ page on the cluster's own dashboard, over real HTTP from a real scheduler."""
+"""The /ddp/ page on the cluster's own dashboard, over real HTTP from a real scheduler: it
+reads each job's supervisor there, whoever launched the job."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from dask.utils import key_split
 from distributed import Client, Event
 
 import dask_ddp
-from dask_ddp import DashboardUnavailableWarning, view
+from dask_ddp import view
 
 ARTIFACTS = Path(os.environ.get("DASK_DDP_ARTIFACTS", Path(__file__).parent.parent / "artifacts"))
 
@@ -50,8 +50,7 @@ def _get(url: str) -> tuple[int, str]:
 
 
 def _until(check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    """Ask ``check`` until it returns something true: the page is fed once a second, and
-    HTTP has no way to wait for a change."""
+    """Ask ``check`` until it returns something true: HTTP has no way to wait for a change."""
     deadline = time.monotonic() + timeout
     while True:
         got = check()
@@ -132,22 +131,33 @@ def test_prometheus_gauges(client: Client, paused_job: dask_ddp.Job):
     assert f'dask_ddp_step_rate{{job="{job.job_id}",rank="0"}}' in text
 
 
-def test_rank_tasks_are_named_after_the_job_and_rank(client: Client):
+def _prefixes(dask_scheduler: Any = None) -> list[str]:
+    return list(dask_scheduler.task_prefixes)
+
+
+def test_rank_tasks_share_one_prefix_per_function(client: Client):
+    # The task stream and progress bars say the function; the scheduler's per-prefix
+    # state (and its Prometheus series) stays the same however many jobs run.
     job = dask_ddp.launch(client, _train, (2,))
     job.result(timeout=120)
-    names = [key_split(f.key) for f in job.futures]
-    assert names == [f"ddp_train_{job.job_id[:6]}_rank{r}" for r in range(2)]
-    prefixes = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes))
-    assert set(names) <= set(prefixes)
+    assert [key_split(f.key) for f in job.futures] == ["ddp_train", "ddp_train"]
+    assert [f.key for f in job.futures] == [f"ddp_train-rank{r}-{job.job_id}" for r in (0, 1)]
+    before = set(client.run_on_scheduler(_prefixes))
+    assert "ddp_train" in before
+    for _ in range(3):
+        dask_ddp.launch(client, _train, (2,)).result(timeout=120)
+    assert set(client.run_on_scheduler(_prefixes)) == before
 
 
-def test_the_page_works_with_the_dashboard_turned_off_for_jobs(client: Client):
+def test_the_plugin_runs_jobs_without_pages_when_they_are_turned_off(own_cluster):
     import dask
 
-    with dask.config.set({"ddp.dashboard.enabled": False}):
-        job = dask_ddp.launch(client, _train, (2,))
-        job.result(timeout=120)
-    assert _job_json(client, job.job_id) is None
+    with dask.config.set({"ddp.dashboard.enabled": False}), Client(own_cluster) as client:
+        job = dask_ddp.launch(client, _train, (2,))  # installs the plugin, without pages
+        assert job.result(timeout=120) == [0, 1]
+        status, _ = _get(_base(client))
+        assert status == 404
+        assert [j.job_id for j in dask_ddp.jobs(client)] == [job.job_id]
 
 
 def _scheduler(tmp_path: Path, *preload: str, **env: str) -> tuple[subprocess.Popen, str]:
@@ -190,9 +200,10 @@ def _cluster(tmp_path: Path, *preload: str, **env: str) -> Iterator[Client]:
 
 
 @pytest.mark.slow
-def test_a_scheduler_that_refuses_plugins_still_trains_with_one_warning(tmp_path: Path):
+def test_a_scheduler_that_refuses_plugins_needs_the_preload(tmp_path: Path):
     """A locked-down scheduler (``distributed.scheduler.blocked-handlers``, what a hosted
-    cluster may set): jobs train; the user is told once that there is no page."""
+    cluster may set) cannot take the plugin at run time: launch() says so and how to fix
+    it; started with ``--preload dask_ddp`` it runs jobs."""
 
     def train() -> int:  # defined here: pickled by value (the scheduler cannot import tests)
         dask_ddp.report({"loss": 1.0}, step=0)
@@ -200,18 +211,15 @@ def test_a_scheduler_that_refuses_plugins_still_trains_with_one_warning(tmp_path
 
     blocked = {"DASK_DISTRIBUTED__SCHEDULER__BLOCKED_HANDLERS": '["register_scheduler_plugin"]'}
     with _cluster(tmp_path, **blocked) as client:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            first = dask_ddp.launch(client, train).result(timeout=120)
-            second = dask_ddp.launch(client, train).result(timeout=120)
-        assert first == second == [0, 1]
-        shown = [w for w in caught if issubclass(w.category, DashboardUnavailableWarning)]
-        assert len(shown) == 1
-        assert "register_scheduler_plugin" in str(shown[0].message)  # what refused it
-        assert "/ddp/" in str(shown[0].message)
-        assert shown[0].filename == __file__  # points at the user's launch() line
-        status, _ = _get(client.dashboard_link.rsplit("/status", 1)[0] + "/ddp/")
-        assert status == 404
+        refused = pytest.raises(dask_ddp.SchedulerPluginError, match="register_scheduler_plugin")
+        with refused as info:
+            dask_ddp.launch(client, train)
+        assert "--preload dask_ddp" in str(info.value)
+        assert client.run(lambda: 1)  # the cluster is untouched
+    with _cluster(tmp_path, "dask_ddp", **blocked) as client:
+        assert dask_ddp.launch(client, train).result(timeout=120) == [0, 1]
+        status, page = _get(_base(client))
+        assert status == 200 and "_train" not in page and "train" in page
 
 
 def _chromium() -> str | None:
@@ -261,10 +269,8 @@ def test_the_scheduler_preload_serves_the_page_and_a_labextension_panel(tmp_path
             dask_ddp.report({"loss": 1.0}, step=0)
             return dask_ddp.get_context().rank
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", DashboardUnavailableWarning)
-            job = dask_ddp.launch(client, train)
-            assert job.result(timeout=120) == [0, 1]
+        job = dask_ddp.launch(client, train)
+        assert job.result(timeout=120) == [0, 1]
         assert _until(lambda: (j := _job_json(client, job.job_id)) and j["state"] == "succeeded")
 
 
@@ -313,60 +319,67 @@ def test_the_view_reads_in_light_and_dark_themes(
     assert near_text > 30, f"no {theme} tick labels in the text colour: {shot}"
 
 
-def test_the_scheduler_keeps_a_capped_summary_of_the_last_jobs() -> None:
-    """Scheduler memory stays bounded: the latest summary of the last max-jobs jobs (the
-    oldest finished one goes first), curves thinned, no printed output."""
-    from dask_ddp._dashboard import DashboardPlugin
+def test_the_scheduler_keeps_a_capped_summary_of_each_job() -> None:
+    """Scheduler memory stays bounded whatever a job reports: the summary the page draws
+    keeps 200 curve points and 16 values a rank, never the records themselves."""
+    from dask_ddp._progress import Progress
 
-    plugin = DashboardPlugin(max_jobs=3)
-    for i in range(5):
-        rank = {"rank": 0, "step": 4999, "step_rate": 10.0, "error": "x" * 100_000,
-                "last": {f"m{k}": float(k) for k in range(100)},
-                "curve": [(float(s), 1.0 / (s + 1)) for s in range(5000)]}  # fmt: skip
-        state = "running" if i == 0 else "succeeded"
-        plugin.update(
-            {"job": f"job{i}", "state": state, "ranks": [rank], "metric": "m1",
-             "notes": ["n"] * 500, "output": ["line"] * 1000},
-            client="Client-1",
-        )  # fmt: skip
-    assert list(plugin.jobs) == ["job0", "job3", "job4"]  # the running one is kept
-    kept = plugin.jobs["job4"]
-    assert "output" not in kept and len(kept["notes"]) == 20
-    assert len(kept["ranks"][0]["curve"]) <= 201 and len(kept["ranks"][0]["last"]) == 16
-    assert len(kept["ranks"][0]["error"]) == 20_000
-    assert [r["job"] for r in plugin.rows()] == ["job4", "job3", "job0"]
-    assert plugin.rows()[0]["client"] == "Client-1" and plugin.rows()[0]["value"] == 1.0
-    plugin.update({"job": "job5", "ranks": "not a list"}, client="Client-2")  # bad input
-    plugin.update("not a summary", client="Client-2")
-    assert list(plugin.jobs) == ["job0", "job3", "job4"]  # ignored, nothing lost
+    progress = Progress()
+    progress.place(["tcp://10.0.0.1:1"])
+    for step in range(5000):
+        values = {f"m{k}": float(k) for k in range(100)} | {"loss": 1.0 / (step + 1)}
+        progress.add(0, step, float(step), values, n=10)
+    (rank,) = progress.ranks(curve_points=200, values=16)
+    assert rank["count"] == 50_000 and rank["step"] == 4999
+    assert len(rank["curve"]) <= 201 and rank["curve"][-1] == [4999.0, 1.0 / 5000]
+    assert len(rank["last"]) == 16
+    assert len(progress.progress[0].curve) < 800  # what it holds, thinned as it goes
 
 
-def test_the_bokeh_panel_draws_the_jobs_and_the_running_one() -> None:
-    """The panel's document, built as the scheduler's Bokeh server builds it: the list of
-    jobs and the running job drawn as the notebook draws it, refreshed every second."""
+def test_finished_jobs_past_max_jobs_are_forgotten_oldest_first(own_cluster) -> None:
+    import dask
+
+    with dask.config.set({"ddp.dashboard.max-jobs": 2}), Client(own_cluster) as client:
+        ids = [dask_ddp.launch(client, _train, (1,)) for _ in range(4)]
+        for job in ids:
+            job.result(timeout=120)
+        assert _until(lambda: len(dask_ddp.jobs(client)) == 2)
+        assert [j.job_id for j in dask_ddp.jobs(client)] == [ids[3].job_id, ids[2].job_id]
+        with pytest.raises(dask_ddp.JobNotFoundError):
+            dask_ddp.attach(client, ids[0].job_id)
+        assert _get(_base(client) + f"jobs/{ids[0].job_id}")[0] == 404
+
+
+def test_the_bokeh_panel_draws_the_jobs_and_the_running_one(
+    own_cluster, paused_job_on_own: dask_ddp.Job
+) -> None:
+    """The panel's document, built as the scheduler's Bokeh server builds it, on the real
+    scheduler: the list of jobs and the running job drawn as the notebook draws it,
+    refreshed every second."""
     pytest.importorskip("bokeh")
     from bokeh.document import Document
 
     from dask_ddp import dashboard
-    from dask_ddp._dashboard import PLUGIN_NAME, DashboardPlugin
-
-    plugin = DashboardPlugin(max_jobs=10)
-    rank = {"rank": 0, "worker": "tcp://10.0.0.1:1", "status": "running", "activity": "",
-            "count": 3, "step": 2, "last": {"loss": 0.5}, "rate": 1.0, "step_rate": 1.0,
-            "error": None, "curve": [(0.0, 1.0), (1.0, 0.7), (2.0, 0.5)]}  # fmt: skip
-    for job, state in (("aaaaaaaaaaaa", "succeeded"), ("bbbbbbbbbbbb", "running")):
-        plugin.update(
-            {"job": job, "state": state, "ranks": [rank], "metric": "loss", "notes": [],
-             "backend": "gloo", "elapsed": 3.0, "records": 3, "total": None, "error": None},
-            client="Client-1",
-        )  # fmt: skip
-
-    class Scheduler:
-        plugins = {PLUGIN_NAME: plugin}
 
     doc = Document()
-    dashboard._panel(Scheduler(), {"prefix": "/"}, doc)
+    dashboard._panel(own_cluster.scheduler, {"prefix": "/"}, doc)
     text = doc.roots[0].text
-    assert "aaaaaaaaaaaa" in text and "dask_ddp job bbbbbbbbbbbb</b>: running" in text
-    assert "<svg" in text and "href='/ddp/jobs/aaaaaaaaaaaa'" in text
+    job = paused_job_on_own
+    assert f"dask_ddp job {job.job_id}</b>: " in text and job.job_id in text
+    assert f"href='/ddp/jobs/{job.job_id}'" in text
     assert doc.title == "dask-ddp jobs" and doc.session_callbacks  # refreshed while open
+
+
+@pytest.fixture
+def paused_job_on_own(own_cluster) -> Iterator[dask_ddp.Job]:
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+        go = Event("dask-ddp-test-dashboard-go", client=client)
+        go.clear()
+        job = dask_ddp.launch(client, _train, (20, 9))
+        job.view_state(lambda s: all(r["step"] == 9 for r in s["ranks"]), timeout=120)
+        try:
+            yield job
+        finally:
+            go.set()
+            job.result(timeout=120)

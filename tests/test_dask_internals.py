@@ -13,7 +13,8 @@ import distributed
 from distributed import Client
 from distributed.utils_test import poll_for
 
-from dask_ddp import _dask_internals, events
+import dask_ddp
+from dask_ddp import _dask_internals, _topics, events
 
 
 def test_the_installed_distributed_was_checked() -> None:
@@ -38,7 +39,7 @@ def _serve_echo(add: bool, dask_worker=None) -> str:
 
 
 async def _call_echo(client: Client, worker: str) -> str:
-    return await client.rpc(worker).dask_ddp_test_echo(text="hi")
+    return await _dask_internals.call_worker(client, worker, "dask_ddp_test_echo", text="hi")
 
 
 def test_a_worker_handler_is_served_and_removed(client: Client) -> None:
@@ -53,12 +54,11 @@ def _serves(name: str, dask_worker=None) -> bool:
 
 
 def test_the_blob_handler_plugin_serves_every_worker(client: Client) -> None:
-    client.sync(events.register_blob_handler, client)
-    client.sync(events.register_blob_handler, client)  # once per client: no second install
+    dask_ddp.jobs(client)  # dask-ddp's scheduler plugin is installed: it registers it
     assert set(client.run(_serves, events._HANDLER).values()) == {True}
 
 
-def _topics(dask_scheduler=None) -> list[str]:
+def _topic_names(dask_scheduler=None) -> list[str]:
     return list(dask_scheduler._broker._topics)
 
 
@@ -79,11 +79,19 @@ def test_drop_topic_forgets_a_finished_topic_and_its_events(client: Client) -> N
     client.log_event("dask-ddp-test-done", {"n": 1})
     client.subscribe_topic("dask-ddp-test-done", lambda event: None)
     _wait_subscribed(client, "dask-ddp-test-done", client.id)
-    assert "dask-ddp-test-done" in client.run_on_scheduler(_topics)
+    assert "dask-ddp-test-done" in client.run_on_scheduler(_topic_names)
+    assert client.sync(_dask_internals.topic_history, client, "dask-ddp-test-done")
 
-    events.forget_topic(client, "dask-ddp-test-done")
-    assert "dask-ddp-test-done" not in client.run_on_scheduler(_topics)
+    dropped = client.run_on_scheduler(_dask_internals.drop_topic, "dask-ddp-test-done", client.id)
+    assert dropped is True
+    assert "dask-ddp-test-done" not in client.run_on_scheduler(_topic_names)
     assert client.get_events("dask-ddp-test-done") == ()
+    # A forgotten job's topic goes whoever still follows it.
+    client.log_event("dask-ddp-test-forgotten", {"n": 1})
+    client.subscribe_topic("dask-ddp-test-forgotten", lambda event: None)
+    _wait_subscribed(client, "dask-ddp-test-forgotten", client.id)
+    assert client.run_on_scheduler(_dask_internals.drop_topic, "dask-ddp-test-forgotten", None)
+    assert "dask-ddp-test-forgotten" not in client.run_on_scheduler(_topic_names)
 
 
 def test_drop_topic_keeps_a_topic_another_client_follows(client: Client) -> None:
@@ -95,7 +103,7 @@ def test_drop_topic_keeps_a_topic_another_client_follows(client: Client) -> None
             _dask_internals.drop_topic, "dask-ddp-test-shared", client.id
         )
         assert dropped is False
-        assert "dask-ddp-test-shared" in client.run_on_scheduler(_topics)
+        assert "dask-ddp-test-shared" in client.run_on_scheduler(_topic_names)
     assert client.run_on_scheduler(_dask_internals.drop_topic, "no-such-topic", client.id) is False
 
 
@@ -132,7 +140,7 @@ def test_our_subscription_keeps_the_users_handler_on_the_same_topic(client: Clie
     seen: list[str] = []
     client.subscribe_topic("users-topic", lambda ev: seen.append(f"user {ev[1]}"))
     assert _dask_internals.topic_handler(client, "users-topic") is not None
-    stop = events.subscribe(client, "users-topic", lambda ev: seen.append(f"ours {ev[1]}"))
+    stop = _topics.follow(client, "users-topic", lambda ev: seen.append(f"ours {ev[1]}"))
 
     def seen_after_logging(*expected: str) -> bool:
         # Client.log_event travels apart from the subscription: log until it got there.
@@ -147,26 +155,60 @@ def test_our_subscription_keeps_the_users_handler_on_the_same_topic(client: Clie
 
 
 # --- used by dask_ddp._dashboard ---
-def test_http_prefix_and_stream_handlers(client: Client) -> None:
+def test_http_prefix_and_removing_an_application(client: Client) -> None:
     assert client.run_on_scheduler(lambda dask_scheduler: _dask_internals.http_prefix(
         dask_scheduler)) == "/"  # fmt: skip
 
-    def add(dask_scheduler=None) -> None:
-        got = dask_scheduler.dask_ddp_test_got = []
-        _dask_internals.add_stream_handler(
-            dask_scheduler, "dask-ddp-test-op", lambda client=None, **msg: got.append((client, msg))
-        )
+    def add_and_remove(dask_scheduler=None) -> tuple[bool, bool]:
+        from tornado import web
 
-    def got(dask_scheduler=None) -> list:
-        return list(getattr(dask_scheduler, "dask_ddp_test_got", []))
+        http = dask_scheduler.http_application
+        app = web.Application([("/dask-ddp-test", web.RedirectHandler, {"url": "/"})])
+        http.add_application(app)
+        added = app in http.applications
+        _dask_internals.remove_http_application(http, app)
+        _dask_internals.remove_http_application(http, app)  # twice: no error
+        return added, app in http.applications
 
-    client.run_on_scheduler(add)
-    try:
-        _dask_internals.send_to_scheduler(client, {"op": "dask-ddp-test-op", "n": 1})
-        poll_for(lambda: client.run_on_scheduler(got), timeout=10)
-        assert client.run_on_scheduler(got) == [(client.id, {"n": 1})]
-    finally:
-        client.run_on_scheduler(
-            lambda dask_scheduler: _dask_internals.remove_stream_handler(
-                dask_scheduler, "dask-ddp-test-op")
-        )  # fmt: skip
+    assert client.run_on_scheduler(add_and_remove) == (True, False)
+
+
+# --- used by dask_ddp's scheduler plugin ---
+def _left_behind(dask_scheduler=None) -> str | None:
+    # A task pinned to a worker address that does not exist: "no-worker" for good.
+    task = dask_scheduler.tasks.get("dask-ddp-test-pinned")
+    return None if task is None else task.state
+
+
+def _fail_it(dask_scheduler=None) -> bool:
+    import pickle
+
+    error = dask_ddp.WorkerLostError(0, "tcp://10.0.0.9:1", "dask-ddp-test-pinned")
+    return _dask_internals.fail_task(dask_scheduler, "dask-ddp-test-pinned", pickle.dumps(error))
+
+
+def test_fail_task_fails_a_task_without_a_worker(client: Client) -> None:
+    pinned = client.submit(
+        time.time, key="dask-ddp-test-pinned", workers=["tcp://10.0.0.9:1"],
+        allow_other_workers=False, pure=False,
+    )  # fmt: skip
+    poll_for(lambda: client.run_on_scheduler(_left_behind) == "no-worker", timeout=10)
+    assert client.run_on_scheduler(_fail_it) is True
+    assert isinstance(pinned.exception(timeout=10), dask_ddp.WorkerLostError)
+    assert client.run_on_scheduler(_fail_it) is False  # not without a worker any more
+
+
+def test_the_scheduler_s_longest_tick(client: Client) -> None:
+    client.run_on_scheduler(_dask_internals.reset_max_tick)
+    assert 0 <= client.run_on_scheduler(_dask_internals.max_tick_seconds) < 1.0
+
+
+def test_is_adaptive(client: Client) -> None:
+    with (
+        distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as c,
+        Client(c) as other,
+    ):
+        assert not _dask_internals.is_adaptive(other)
+        c.adapt(minimum=0, maximum=1)
+        assert _dask_internals.is_adaptive(other)
+    assert not _dask_internals.is_adaptive(Client.__new__(Client))  # no cluster object

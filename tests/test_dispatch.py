@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,10 @@ def _seen_by_rank(tag: str, *, local_rank: int | None = None) -> dict:
 
 def _worker_state() -> dict:
     import multiprocessing
+
+    from dask_ddp._slot import PROCESS
+
+    assert PROCESS.wait_idle(30)  # the last rank's teardown ends just after its task
 
     return {
         "rank_env": {k: os.environ.get(k) for k in ("RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")},
@@ -373,3 +378,37 @@ def test_submodules_after_a_bare_import() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+def test_every_rank_future_of_a_failed_job_says_why(own_cluster, tmp_path) -> None:
+    # dask-pytorch-ddp's pattern: wait, then read each future (or process the results with
+    # raise_errors=False first). Each says why, however and whenever it is read: never a
+    # bare "cancelled for reason: unknown".
+    from distributed import as_completed, wait
+
+    from dask_ddp.results import DaskResultsHandler
+
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        futures = dask_ddp.dispatch.run(client, _fail_at_step, 1, 5)
+        wait(futures, timeout=60)
+        DaskResultsHandler("unused").process_results(tmp_path, futures, raise_errors=False)
+        (job,) = [dask_ddp.attach(client, j.job_id) for j in dask_ddp.jobs(client)[:1]]
+        assert job.wait_stopped(timeout=60)  # the ranks are stopped, the workers freed
+
+        def kinds(errors: Any) -> list[str]:
+            return sorted(type(e).__name__ for e in errors)
+
+        expected = ["RankStoppedError", "ValueError"]
+        assert kinds(f.exception(timeout=10) for f in futures) == expected
+        assert kinds(f.exception() for f in as_completed(futures)) == expected
+        stopped, failed = futures[0].exception(), futures[1].exception()
+        assert isinstance(failed, ValueError) and "bad batch at step 5" in str(failed)
+        assert isinstance(stopped, dask_ddp.RankStoppedError) and stopped.failed_rank == 1
+        with pytest.raises((ValueError, dask_ddp.RankStoppedError), match="bad batch at step 5"):
+            client.gather(futures)  # the first future in the list that failed
+        with pytest.raises(dask_ddp.RankStoppedError, match="rank 1 failed first"):
+            futures[0].result()
+        with pytest.raises(ValueError, match="bad batch at step 5"):
+            futures[1].result()

@@ -80,7 +80,7 @@ def test_workers_keep_rank_failures_out_of_the_client_s_output(capfd: pytest.Cap
         job = dask_ddp.launch(client, _fail_on_rank_1)
         with pytest.raises(dask_ddp.RankFailedError):
             job.result(timeout=120)
-        job._wait_stopped(60)
+        job.wait_stopped(60)
     out, errors = capfd.readouterr()
     assert "Compute Failed" not in out + errors
 
@@ -105,7 +105,7 @@ def test_in_a_notebook_the_error_reads_once_from_the_cell_that_raised(tmp_path) 
         "    import torch.distributed as dist\n"
         "    dist.barrier()",
         "job = dask_ddp.launch(client, train)\njob.result(timeout=120)",
-        "job._wait_stopped(60)\nclient.close()\ncluster.close()",
+        "job.wait_stopped(60)\nclient.close()\ncluster.close()",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(

@@ -212,7 +212,9 @@ def test_two_jobs_never_see_each_others_records(client: Client) -> None:
     assert a.topic != b.topic
     assert [r.metrics["tag"] for r in a.metrics] == [1] * 3000
     assert [r.metrics["tag"] for r in b.metrics] == [2] * 3000
-    # Once a job is over, the scheduler no longer keeps its events.
+    # The cluster keeps a job's events (for clients that attach) until it is forgotten.
+    assert client.run_on_scheduler(_events_kept, a.topic) > 0
+    a.forget()
     poll_for(lambda: client.run_on_scheduler(_events_kept, a.topic) == 0, timeout=30)
 
     # A job's thread that outlives the job cannot report into the next one.
@@ -225,58 +227,89 @@ def test_two_jobs_never_see_each_others_records(client: Client) -> None:
     assert [r.metrics["tag"] for r in new.metrics] == [4] * 20
 
 
+def _state(job_id: str, version: int, state: str, workers: list[str], **more: object) -> dict:
+    """A message of the job's supervisor, as it sends them on the job's topic."""
+    return {"kind": "state", "job": job_id, "version": version, "state": state,
+            "run_id": job_id, "workers": workers, "backend": "gloo", **more}  # fmt: skip
+
+
+def _subscribers(topic: str, dask_scheduler=None) -> list[str]:
+    found = dask_scheduler._broker._topics.get(topic)  # distributed's own, for the test
+    return [] if found is None else list(found.subscribers)
+
+
+def _following(client: Client, job_id: str) -> tuple[JobModel, EventReader]:
+    """A client following a job as launch() and attach() do (there, the cluster subscribes
+    the client itself before answering; here the test waits for the subscription)."""
+    model = JobModel(job_id, "test")
+    reader = EventReader(client, model)
+    reader.follow()
+    reader.start()
+    topic = events.job_topic(job_id)
+    poll_for(lambda: client.id in client.run_on_scheduler(_subscribers, topic), timeout=30)
+    return model, reader
+
+
+def _until(model: JobModel, check: object) -> None:
+    with model.cond:
+        assert model.cond.wait_for(check, timeout=30), "the events never arrived"
+
+
 def test_missing_events_are_filled_from_the_scheduler(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    worker = next(iter(client.scheduler_info(n_workers=-1)["workers"]))
     job_id = uuid.uuid4().hex[:12]
-    model = JobModel(job_id, [worker], "gloo")
-    reader = EventReader(client, model)
-    reader.subscribe(job_id, [worker], lambda kind, payload: None)
+    topic = events.job_topic(job_id)
+
+    def event(seq: int, steps: range) -> dict:
+        msgs = [[events.METRICS, [s, time.time(), {"s": s}]] for s in steps]
+        return events.encode(job_id, 0, seq, msgs)
+
+    # Events 0 and 1 reached the scheduler before this client followed the job.
+    client.log_event(topic, event(0, range(0, 2)))
+    client.log_event(topic, event(2, range(2, 5)))
+    model, reader = _following(client, job_id)
     try:
-
-        def event(seq: int, steps: range) -> dict:
-            msgs = [[events.METRICS, [s, time.time(), {"s": s}]] for s in steps]
-            return events.encode(job_id, 0, seq, msgs)
-
-        # Events 0 and 1 reached the scheduler, but this subscriber missed them.
-        client.log_event(reader.topic, event(0, range(0, 2)))
-        client.log_event(reader.topic, event(2, range(2, 5)))
-        reader.handle(event(5, range(5, 6)))
+        client.log_event(topic, event(5, range(5, 6)))
+        _until(model, lambda: len(model.metrics) == 6)
         assert [r.step for r in model.metrics] == [0, 1, 2, 3, 4, 5]
-        reader.handle(event(2, range(2, 5)))  # a duplicate changes nothing
-        assert len(model.metrics) == 6
-
-        # What the scheduler no longer holds is reported lost, and the rest goes on.
+        client.log_event(topic, event(2, range(2, 5)))  # a duplicate changes nothing
+        # What the scheduler never held is reported lost, and the rest goes on.
         with caplog.at_level(logging.WARNING, logger="dask_ddp._reader"):
-            reader.handle(event(9, range(9, 10)))
+            client.log_event(topic, event(9, range(9, 10)))
+            _until(model, lambda: len(model.metrics) == 7)
         assert [r.step for r in model.metrics][-1] == 9
         assert "3 messages from rank 0 were lost" in caplog.text
         assert model.notes == ["rank 0: 3 messages lost on the way"]
-        assert reader.missing(0) is not None
-        reader.handle({"job": job_id, "rank": 0, "seq": 10, "end": 10})
-        assert reader.complete([0]) and reader.missing(0) is None
-        reader.handle(events.encode("another-job", 0, 10, [["m", [10, 0.0, {}]]]))
-        assert len(model.metrics) == 7
+        client.log_event(topic, events.encode("another-job", 0, 10, [["m", [10, 0.0, {}]]]))
+        client.log_event(topic, _state(job_id, 1, "succeeded", [], stopped=True))
+        _until(model, lambda: model.closed)
+        assert len(model.metrics) == 7 and model.state is dask_ddp.JobState.SUCCEEDED
     finally:
-        reader.unsubscribe()
+        reader.stop()
 
 
 def test_status_messages_in_the_channel_reach_the_view(client: Client) -> None:
     worker = next(iter(client.scheduler_info(n_workers=-1)["workers"]))
-    model = JobModel("j", [worker], "gloo")
-    reader = EventReader(client, model)
-    reader.subscribe("j", [worker], lambda kind, payload: None)
+    job_id = uuid.uuid4().hex[:12]
+    topic = events.job_topic(job_id)
+    model, reader = _following(client, job_id)
     try:
         now = time.time()
-        reader.handle(events.encode("j", 0, 0, [[events.STATUS, ["joining", "1 of 2", now]]]))
-        assert model.status_changes == 1
-        reader.handle(events.encode("j", 0, 1, [[events.STATUS, [None, "listing", now]]]))
-        assert (model.status[0].phase, model.status[0].detail) == ("joining", "listing")
-        assert model.snapshot()["ranks"][0]["activity"] == "listing"  # no future yet: pending
-        assert progress_line(model.snapshot()) == "r0 pending (listing)"
+        client.log_event(topic, _state(job_id, 1, "running", [worker]))
+        client.log_event(
+            topic, events.encode(job_id, 0, 0, [[events.STATUS, ["joining", "1 of 2", now]]])
+        )
+        _until(model, lambda: model.progress.changes == 1)
+        client.log_event(
+            topic, events.encode(job_id, 0, 1, [[events.STATUS, [None, "listing", now]]])
+        )
+        _until(model, lambda: model.progress.changes == 2)
+        rank = model.snapshot()["ranks"][0]
+        assert (rank["status"], rank["activity"]) == ("joining", "listing")
+        assert progress_line(model.snapshot()) == "r0 joining (listing)"
     finally:
-        reader.unsubscribe()
+        reader.stop()
 
 
 def _slow_reports(n: int) -> int:
@@ -439,13 +472,13 @@ def test_smoothing_is_tensorboards() -> None:
 
 def test_the_widget_follows_a_job_that_changes_size() -> None:
     pytest.importorskip("ipywidgets")
-    from dask_ddp._model import JobModel
 
-    model = JobModel("3f2a", [], "")  # an elastic job waiting for workers: no rank yet
+    model = JobModel("3f2a", "train")  # an elastic job waiting for workers: no rank yet
     view = WidgetView(0)
     view.update(model.snapshot())
-    for size in (3, 2):  # placed on 3 workers, then one is lost
-        model.new_attempt(0, "t", [f"tcp://w:{r}" for r in range(size)], "gloo", "started")
+    for version, size in ((1, 3), (2, 2)):  # placed on 3 workers, then one is lost
+        workers = [f"tcp://w:{r}" for r in range(size)]
+        model.apply_state(_state("3f2a", version, "running", workers, attempt=version - 1))
         view.update(model.snapshot())
         assert len(view._bars) == size and len(view.widget.children) == size + 4
 

@@ -268,12 +268,32 @@ def _hold_payload(job_id: str, dask_worker=None) -> str:
     return dask_worker.address
 
 
-def test_payloads_are_released_on_delivery_or_when_the_job_ends(client: Client) -> None:
-    worker = next(iter(client.run(_hold_payload, "job-a").values()))
+def _send_unread(steps: int) -> int:
+    rh = DaskResultsHandler("unread")
+    for step in range(steps):
+        rh.submit_result(f"{step}.bin", b"x" * 100_000)
+    return dask_ddp.get_context().rank
+
+
+def test_payloads_are_released_on_delivery_or_when_the_job_is_forgotten(client: Client) -> None:
+    dask_ddp.jobs(client)  # the plugin is installed: every worker serves large messages
+    worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    client.run(_hold_payload, "job-a", workers=[worker])
     ref = {"worker": worker, "key": "job-a/0/0", "nbytes": 10}
-    assert events.fetch_blob(client, ref) == [[events.RESULT, ["k", "x.bin", b"x" * 10]]]
+    fetched = client.sync(events.fetch_blob, client, ref)
+    assert fetched == [[events.RESULT, ["k", "x.bin", b"x" * 10]]]
     with pytest.raises(dask_ddp.ChannelError, match="no longer holds"):
-        events.fetch_blob(client, ref)  # handed over once, then forgotten
+        client.sync(events.fetch_blob, client, ref)  # handed over once, then forgotten
     client.run(_hold_payload, "job-b", workers=[worker])
-    assert events.drop_blobs(client, worker, "job-b") == 1
+    assert client.run(events.drop_held, "job-b", workers=[worker]) == {worker: 1}
     assert client.run(_blobs_held, workers=[worker]) == {worker: 0}
+    # A job whose large messages nobody fetched: the workers hold them until it is forgotten.
+    with dask.config.set({"ddp.max-event-bytes": "16kB"}):
+        job = dask_ddp.launch(client, _send_unread, args=(3,))
+    assert job.result(timeout=60) == [0, 1]
+    assert sum(client.run(_blobs_held).values()) == 0  # this client fetched them all
+    client.run(_hold_payload, job.job_id, workers=[job.workers[0]])  # as if nobody had
+    job.forget()
+    assert sum(client.run(_blobs_held).values()) == 0
+    with pytest.raises(dask_ddp.JobNotFoundError):
+        dask_ddp.attach(client, job.job_id)

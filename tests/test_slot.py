@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dask_ddp
-from dask_ddp._slot import PROCESS, ProcessSlot, RankRun
-from dask_ddp.context import RankContext, _activated, _Checkpointing
+from dask_ddp._slot import PROCESS, CheckpointSettings, ProcessSlot, RankContext, RankRun
+from dask_ddp.context import _activated
 
 
 def _run(job: str = "3f2a", rank: int = 0) -> RankRun:
@@ -93,7 +93,7 @@ def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None
         with pytest.raises(dask_ddp.NotInRankError):
             dask_ddp.get_context()  # claimed, but the function has not started
         shard = _Shard()
-        with _activated(run, _context(), _Checkpointing(None)) as ctx:
+        with _activated(run, _context(), CheckpointSettings(None)) as ctx:
             assert dask_ddp.get_context() is ctx
             assert dask_ddp.get_checkpoint() is None  # no checkpoint_dir
             run.dataset_shards["train"] = shard

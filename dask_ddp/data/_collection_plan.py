@@ -1,18 +1,20 @@
-"""The client's side of Dask collections as training data: persist once, plan per attempt.
+"""Dask collections as training data: persisted once on the client, planned per attempt.
 
-:func:`_persist_datasets` computes each collection passed in ``launch(..., datasets=)`` and
-keeps its partitions on the workers that computed them for the job's lifetime; for each
-attempt, :meth:`_Datasets.plan` splits its rows into one equal share per rank
-(:func:`_plan_pieces`), preferring partitions that already sit on the rank's worker. A
-rank receives its :class:`_ShardPlan` (keys and row ranges, never data); the rank's side
-is :mod:`dask_ddp.data._collection_shard`.
+On the client, :func:`_persist_datasets` computes each collection passed in
+``launch(..., datasets=)`` into the workers' memory and counts its rows; :class:`Persisted`
+publishes the partitions for the job's supervisor, which holds them for the job's lifetime
+(:class:`Datasets`, on the scheduler). For each attempt, :meth:`Datasets.plan` splits each
+dataset's rows into one equal share per rank (:meth:`DatasetSpec.plan`,
+:func:`_plan_pieces`), preferring partitions that already sit on the rank's worker. A rank
+receives its :class:`_ShardPlan` (keys and row ranges, never data); the rank's side is
+:mod:`dask_ddp.data._collection_shard`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import threading
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -100,7 +102,7 @@ def _collection_kind(collection: Any) -> str | None:
     return None
 
 
-# -- the client side: persist once, plan per attempt ------------------------------------
+# -- persisted once on the client, planned per attempt by the job's supervisor -----------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,39 +153,28 @@ def _delayed_partitions(name: str, source: CollectionSource, kind: str) -> list[
     return list(np.asarray(collection.to_delayed(), dtype=object).ravel())
 
 
-class _PersistedDataset:
-    """A dataset computed into the cluster's memory, held by the job until it ends."""
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """What the job's supervisor needs of one persisted dataset to split it between the
+    ranks of each attempt: its partitions' keys and lengths, and the options. Small and
+    picklable: it travels in the job's spec; the collection itself stays on the client."""
 
-    def __init__(
-        self, name: str, source: CollectionSource, kind: str, futures: list[Future]
-    ) -> None:
-        self.name, self.source, self.kind = name, source, kind
-        self.futures = futures
-        self.lengths: list[int] = []
-
-    def check(self) -> None:
-        """Wait until every partition is in memory; raise if one failed or is lost."""
-        from distributed import wait
-
-        wait(self.futures)
-        for i, fut in enumerate(self.futures):
-            if fut.status == "error":
-                exc = fut.exception()
-                raise DatasetComputeError(
-                    self.name, i, str(fut.key), f"{type(exc).__name__}: {exc}"
-                ) from exc
-            if fut.status != "finished":  # lost, or cancelled by someone
-                raise DatasetPartitionLostError(self.name, i, str(fut.key), (), None)
+    name: str
+    kind: str
+    keys: tuple[Key, ...]
+    lengths: tuple[int, ...]
+    shuffle: bool
+    seed: int
+    drop_last: bool
 
     def plan(
         self, workers: Sequence[str], who_has: Mapping[Key, Sequence[str]], job_id: str
     ) -> list[_ShardPlan]:
-        holders = [tuple(who_has.get(f.key, ())) for f in self.futures]
-        shares = _plan_pieces(self.lengths, holders, workers, drop_last=self.source.drop_last)
+        """One share per rank (on ``workers``), preferring partitions already there."""
+        holders = [tuple(who_has.get(key, ())) for key in self.keys]
+        shares = _plan_pieces(self.lengths, holders, workers, drop_last=self.drop_last)
         if shares is None:
-            raise DatasetTooSmallError(
-                self.name, sum(self.lengths), len(workers), self.source.drop_last
-            )
+            raise DatasetTooSmallError(self.name, sum(self.lengths), len(workers), self.drop_last)
         rows = sum(stop - start for _, start, stop in shares[0])
         local = sum(
             stop - start
@@ -205,53 +196,100 @@ class _PersistedDataset:
                 rank=rank,
                 world_size=len(workers),
                 pieces=tuple(
-                    _Piece(self.futures[i].key, i, start, stop, holders[i])
-                    for i, start, stop in share
+                    _Piece(self.keys[i], i, start, stop, holders[i]) for i, start, stop in share
                 ),
                 rows=rows,
                 total_rows=total,
-                shuffle=self.source.shuffle,
-                seed=self.source.seed,
+                shuffle=self.shuffle,
+                seed=self.seed,
                 worker=workers[rank],
             )
             for rank, share in enumerate(shares)
         ]
 
 
-class _Datasets:
-    """Every dataset of one job: persisted once at launch, planned again for every attempt,
-    released when the job ends."""
+def published_name(job_id: str) -> str:
+    """The name a job's persisted partitions are published under, for its supervisor.
 
-    def __init__(self, client: Client, job_id: str, datasets: list[_PersistedDataset]) -> None:
-        self.client, self.job_id, self.datasets = client, job_id, datasets
-        self._lock = threading.Lock()
+    >>> published_name("3f2a")
+    'dask-ddp-data-3f2a'
+    """
+    return f"dask-ddp-data-{job_id}"
 
-    def plan(self, workers: Sequence[str]) -> list[dict[str, _ShardPlan]]:
-        """Per rank (in rank order), its share of every dataset, placed on ``workers``."""
-        with self._lock:
-            datasets = list(self.datasets)
-        if not datasets:
-            return [{} for _ in workers]
-        for ds in datasets:
-            ds.check()
-        who_has = self.client.who_has([f for ds in datasets for f in ds.futures])
-        per_rank: list[dict[str, _ShardPlan]] = [{} for _ in workers]
-        for ds in datasets:
-            for rank, plan in enumerate(ds.plan(workers, who_has, self.job_id)):
-                per_rank[rank][ds.name] = plan
-        return per_rank
+
+class Persisted:
+    """The client's side: every collection of ``launch(datasets=)`` computed into the
+    workers' memory and counted, then published (``Client.publish_dataset``) for the job's
+    supervisor, which holds them from then on, for every attempt, until the job ends."""
+
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client, self.job_id = client, job_id
+        self.specs: list[DatasetSpec] = []
+        self.futures: list[list[Future]] = []
+
+    @property
+    def name(self) -> str:
+        return published_name(self.job_id)
+
+    def publish(self) -> None:
+        """Hand the partitions to the cluster, then let go of this client's own hold."""
+        self.client.publish_dataset(self.futures, name=self.name)
+        self.release()
 
     def release(self) -> None:
         """Let go of the partitions (they leave the workers' memory unless held elsewhere)."""
-        with self._lock:
-            datasets, self.datasets = self.datasets, []
-        futures = [f for ds in datasets for f in ds.futures]
+        futures, self.futures = [f for fs in self.futures for f in fs], []
+        _release(futures)
+
+
+class Datasets:
+    """The supervisor's side: a job's persisted datasets, split between the ranks of each
+    attempt (:meth:`plan`) and released when the job ends."""
+
+    def __init__(
+        self, specs: Sequence[DatasetSpec], futures: list[list[Future]], name: str, job_id: str
+    ) -> None:
+        self.specs, self.futures, self.name, self.job_id = list(specs), futures, name, job_id
+
+    @classmethod
+    async def take(cls, client: Client, spec: Any) -> Datasets:
+        """Bind the partitions the launching client published (``spec``: a JobSpec)."""
+        futures = await client.get_dataset(spec.datasets_name)
+        return cls(spec.datasets, futures, spec.datasets_name, spec.job_id)
+
+    async def plan(self, client: Client, workers: Sequence[str]) -> list[dict[str, _ShardPlan]]:
+        """Per rank (in rank order), its share of every dataset, placed on ``workers``.
+        Waits for partitions being recomputed (their worker left); raises if one is lost."""
+        from distributed import wait
+
+        await wait([f for fs in self.futures for f in fs])
+        for spec, futures in zip(self.specs, self.futures, strict=True):
+            for i, fut in enumerate(futures):
+                if fut.status == "error":
+                    exc = await fut.exception()
+                    raise DatasetComputeError(
+                        spec.name, i, str(fut.key), f"{type(exc).__name__}: {exc}"
+                    )
+                if fut.status != "finished":  # lost, or cancelled by someone
+                    raise DatasetPartitionLostError(spec.name, i, str(fut.key), (), None)
+        who_has = await client.who_has([f for fs in self.futures for f in fs])
+        per_rank: list[dict[str, _ShardPlan]] = [{} for _ in workers]
+        for spec in self.specs:
+            for rank, plan in enumerate(spec.plan(workers, who_has, self.job_id)):
+                per_rank[rank][spec.name] = plan
+        return per_rank
+
+    async def release(self, client: Client) -> None:
+        """The job ended: let go of the partitions."""
+        futures, self.futures = [f for fs in self.futures for f in fs], []
+        with contextlib.suppress(KeyError, OSError):  # gone already, or the cluster is closing
+            await client.unpublish_dataset(self.name)
         if futures:
-            logger.debug("job %s: releasing %d dataset partitions", self.job_id, len(futures))
+            logger.debug("%s: releasing %d dataset partitions", self.name, len(futures))
             _release(futures)
 
 
-def _persist_datasets(client: Client, datasets: Mapping[str, Any], job_id: str) -> _Datasets:
+def _persist_datasets(client: Client, datasets: Mapping[str, Any], job_id: str) -> Persisted:
     """Compute every collection into the cluster's memory and count its rows; on the client.
 
     Partitions stay on the workers that computed them; only their row counts come back.
@@ -270,32 +308,53 @@ def _persist_datasets(client: Client, datasets: Mapping[str, Any], job_id: str) 
         if kind is None:
             raise UnsupportedCollectionError(name, type(source.collection).__name__)
         sources.append((name, source, kind))
-    persisted: list[_PersistedDataset] = []
+    persisted = Persisted(client, job_id)
     try:
         for name, source, kind in sources:
             parts = _delayed_partitions(name, source, kind)
-            futures = client.compute(parts) if parts else []
-            persisted.append(_PersistedDataset(name, source, kind, futures))
+            persisted.futures.append(client.compute(parts) if parts else [])
             logger.info(
                 "job %s: dataset %r, a dask %s of %d partitions, computing into the workers' "
                 "memory",
                 job_id, name, kind, len(parts),
             )  # fmt: skip
-        for ds in persisted:
-            ds.check()
-        for ds in persisted:
+        for (name, _, _), futures in zip(sources, persisted.futures, strict=True):
+            _check(name, futures)
+        for (name, source, kind), futures in zip(sources, persisted.futures, strict=True):
             counts = client.map(
                 len,
-                ds.futures,
-                key=[f"dask-ddp-{job_id}-{ds.name}-len-{i}" for i in range(len(ds.futures))],
+                futures,
+                key=[f"dask-ddp-{job_id}-{name}-len-{i}" for i in range(len(futures))],
                 pure=False,
             )
             wait(counts)
-            ds.lengths = [int(n) for n in client.gather(counts)]
+            lengths = tuple(int(n) for n in client.gather(counts))
+            keys = tuple(f.key for f in futures)
+            spec = DatasetSpec(name, kind, keys, lengths, *_options(source))
+            persisted.specs.append(spec)
     except BaseException:
-        _release([f for ds in persisted for f in ds.futures])
+        persisted.release()
         raise
-    return _Datasets(client, job_id, persisted)
+    return persisted
+
+
+def _options(source: CollectionSource) -> tuple[bool, int, bool]:
+    return source.shuffle, source.seed, source.drop_last
+
+
+def _check(name: str, futures: Sequence[Future]) -> None:
+    """Wait until every partition is in memory; raise if one failed or is lost."""
+    from distributed import wait
+
+    wait(futures)
+    for i, fut in enumerate(futures):
+        if fut.status == "error":
+            exc = fut.exception()
+            raise DatasetComputeError(
+                name, i, str(fut.key), f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if fut.status != "finished":  # lost, or cancelled by someone
+            raise DatasetPartitionLostError(name, i, str(fut.key), (), None)
 
 
 def _release(futures: Sequence[Future]) -> None:

@@ -1,0 +1,399 @@
+"""dask-ddp's scheduler plugin: where every job lives, and how clients reach it.
+
+:class:`DaskDDPPlugin` is a ``SchedulerPlugin``. ``launch()`` installs it on any running
+cluster (:func:`install`, once per client; a second client's registration leaves the
+running one alone), and ``dask scheduler --preload dask_ddp`` installs it when the
+scheduler starts. It holds:
+
+- the jobs, one :class:`~dask_ddp.supervise.Supervisor` each, from launch until forgotten
+  (:meth:`Job.forget <dask_ddp.Job.forget>`, or the oldest finished ones past
+  ``ddp.dashboard.max-jobs``);
+- the worker pool (:mod:`dask_ddp._pool`), fed by the ``add_worker``/``remove_worker``
+  hooks, which also keeps adaptive scale-down off workers that hold ranks;
+- its own asynchronous ``Client`` of the scheduler (public API: submit, run, publish), which
+  connects in the background, so that the plugin may be installed while the scheduler
+  starts, and is closed before the scheduler;
+- the ``/ddp/`` pages and Prometheus gauges (:mod:`dask_ddp._dashboard`).
+
+Scheduler hooks hand each supervisor what concerns it: a rank task's end (``transition``),
+its events (``log_event``), a worker that left, a client that left. Clients call the
+plugin with ``Client.run_on_scheduler`` and the coroutines at the end of this module
+(:func:`submit_job`, :func:`cancel_job`, :func:`attach_job`, :func:`list_jobs`,
+:func:`forget_job`); the plugin answers with plain values, and tells the clients that
+follow a job what happens to it on the job's event topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import weakref
+from typing import Any
+
+import dask.config
+from distributed import Client
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from . import _dashboard, _dask_internals, _preload, events
+from . import config as _config  # noqa: F401  (loads the ddp.* defaults)
+from ._pool import WorkerPool
+from ._types import JobSpec
+from .errors import (
+    JobNameTakenError,
+    JobNotFoundError,
+    JobStillRunningError,
+    NoWorkersError,
+    SchedulerPluginError,
+)
+from .placement import select_workers
+from .supervise import Size, Supervisor
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "dask-ddp"
+
+
+class DaskDDPPlugin(SchedulerPlugin):
+    """Runs dask-ddp's jobs on the scheduler (see the module's docstring).
+
+    Parameters
+    ----------
+    max_jobs : int, optional
+        Finished jobs kept (``ddp.dashboard.max-jobs``).
+    pages : bool, optional
+        Serve the ``/ddp/`` pages and gauges (``ddp.dashboard.enabled``).
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True  # a second client's registration leaves the running plugin alone
+
+    def __init__(self, max_jobs: int | None = None, pages: bool | None = None) -> None:
+        self.max_jobs = int(max_jobs or dask.config.get("ddp.dashboard.max-jobs"))
+        self.pages = bool(dask.config.get("ddp.dashboard.enabled") if pages is None else pages)
+        self.jobs: dict[str, Supervisor] = {}  # in launch order
+        self.gpus: dict[str, Any] = {}  # worker -> (GPU count, CUDA_VISIBLE_DEVICES)
+        self.scheduler: Any = None
+        self.client: Any = None
+        self.pool: WorkerPool | None = None
+        self._keys: dict[Any, tuple[Supervisor, int]] = {}  # rank task key -> job, rank
+        self._topics: dict[str, Supervisor] = {}
+        self._ready: asyncio.Event | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._forgetting: set[asyncio.Future[None]] = set()
+        self._app: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to the scheduler by Client.register_plugin: its settings only.
+        return {"max_jobs": self.max_jobs, "pages": self.pages}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    # -- life --------------------------------------------------------------------------------
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.pool = WorkerPool(scheduler, on_change=self._workers_changed)
+        self._ready = asyncio.Event()
+        # A preloaded plugin starts under the scheduler's start-up lock: a start() that
+        # waited for its own client's connection would wait for itself.
+        self._connecting = asyncio.ensure_future(self._connect())
+        if self.pages:
+            self._app = _dashboard.add_pages(self)
+        # Kept after the plugin closes: the workers of a closing cluster leave after it.
+        logging.getLogger("distributed.scheduler").addFilter(_preload.LOST_RANK_VALUES)
+
+    async def _connect(self) -> None:
+        try:
+            self.client = await Client(
+                self.scheduler.address,
+                asynchronous=True,
+                set_as_default=False,
+                name="dask-ddp-supervisor",
+            )
+            # Workers serve large rank messages to clients directly (dask_ddp.events).
+            await self.client.register_plugin(events.BlobHandler())
+        except Exception:
+            logger.exception("dask-ddp: the plugin could not connect to its scheduler")
+            raise
+        self.pool.attach_client(self.client)
+        self._ready.set()
+
+    async def ready(self) -> None:
+        """Wait until the plugin's client is connected (raises if it could not)."""
+        if self._ready.is_set():
+            return
+        await asyncio.shield(self._connecting)
+
+    async def before_close(self) -> None:
+        for job in list(self.jobs.values()):
+            job.cancel("the scheduler is closing")
+        if self._connecting is not None and not self._connecting.done():
+            self._connecting.cancel()
+        if self.client is not None:
+            await self.client.close()
+
+    async def close(self) -> None:
+        if self._app is not None:
+            _dashboard.remove_pages(self, self._app)
+
+    # -- hooks ---------------------------------------------------------------------------
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        self.pool.changed()
+
+    def remove_worker(
+        self, scheduler: Any, worker: str, *, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        self.gpus.pop(worker, None)
+        self.pool.remove_worker(worker)
+        for job in list(self.jobs.values()):
+            job.on_worker_removed(worker)
+        self.pool.changed()
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish in ("memory", "erred"):
+            entry = self._keys.get(key)
+            if entry is not None:
+                entry[0].on_task(entry[1], finish, kwargs)
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        job = self._topics.get(topic) if isinstance(topic, str) else None
+        if job is not None and isinstance(msg, dict) and "kind" not in msg:
+            job.on_event(msg)
+
+    def remove_client(self, scheduler: Any, client: str) -> None:
+        for job in list(self.jobs.values()):
+            job.unfollow(client)
+
+    def valid_workers_downscaling(self, scheduler: Any, workers: list[Any]) -> list[Any]:
+        return self.pool.protect(workers)
+
+    def _workers_changed(self) -> None:
+        for job in list(self.jobs.values()):
+            if not job.state.final:
+                job.workers_changed()
+
+    # -- what supervisors ask of it ------------------------------------------------------
+    def watch_keys(self, job: Supervisor, keys: list[Any]) -> None:
+        """Hand ``job`` the ends of these rank tasks."""
+        for rank, key in enumerate(keys):
+            self._keys[key] = (job, rank)
+
+    def unwatch_keys(self, keys: list[Any]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
+
+    def job_ended(self, job: Supervisor) -> None:
+        """``job`` ended: forget the oldest finished jobs past ``max_jobs``."""
+        finished = [j for j in self.jobs.values() if j.stopped.is_set()]
+        for old in finished[: max(0, len(finished) - self.max_jobs)]:
+            self._drop(old)  # at once: the list never holds more than max_jobs finished
+            forgetting = asyncio.ensure_future(self._release(old))
+            self._forgetting.add(forgetting)
+            forgetting.add_done_callback(self._forgetting.discard)
+
+    # -- what clients ask of it ----------------------------------------------------------
+    async def launch(self, spec: JobSpec) -> dict[str, Any]:
+        """Take a job; answer once it runs or waits for workers (its first placement's error,
+        if it cannot be placed at all, is raised to the launching client)."""
+        await self.ready()
+        for job in self.jobs.values():
+            if job.spec.name == spec.name and spec.named and not job.state.final:
+                raise JobNameTakenError(spec.name, job.job_id)
+        size, spec = self._size(spec)
+        datasets = None
+        if spec.datasets:
+            from .data._collection_plan import Datasets
+
+            datasets = await Datasets.take(self.client, spec)
+        job = Supervisor(self, spec, size, datasets)
+        self.jobs[spec.job_id] = job
+        self._topics[job.topic] = job
+        if spec.client:
+            # Before any rank can report: the launching client misses nothing.
+            self.scheduler.subscribe_topic(job.topic, spec.client)
+        job.start()
+        try:
+            await job.placed
+        except BaseException:
+            self._drop(job)
+            raise
+        return job.public_state()
+
+    def _size(self, spec: JobSpec) -> tuple[Size, JobSpec]:
+        """The job's size, checked against the cluster (and its named workers resolved)."""
+        workers = self.scheduler.workers
+        requested = spec.workers
+        if spec.min_workers is not None and isinstance(requested, int):
+            return Size(spec.min_workers, requested), spec  # elastic: the cluster may grow
+        if not workers and not (spec.adaptive and isinstance(requested, int)):
+            raise NoWorkersError(self.scheduler.address)
+        if isinstance(requested, int) and spec.adaptive and requested > len(workers):
+            return Size(requested, requested), spec  # an adaptive cluster grows into it
+        if isinstance(requested, list):
+            by_name = {str(ws.name): address for address, ws in workers.items()}
+            requested = [r if r in workers else by_name.get(str(r), r) for r in requested]
+        chosen = select_workers({a: ws.host for a, ws in workers.items()}, requested)
+        if isinstance(requested, list):
+            spec = dataclasses.replace(spec, workers=list(chosen))
+        return Size(len(chosen), len(chosen)), spec
+
+    def find(self, job: str) -> Supervisor:
+        """The job of id ``job``, else the newest of that name (a running one first)."""
+        if job in self.jobs:
+            return self.jobs[job]
+        named = [j for j in self.jobs.values() if j.spec.name == job]
+        running = [j for j in named if not j.state.final]
+        found = (running or named)[-1:] if named else []
+        if not found:
+            raise JobNotFoundError([], job=job)
+        return found[0]
+
+    def attach(self, job: str, client: str | None) -> dict[str, Any]:
+        """A client follows ``job`` from now on: its state, summary and checkpoints so far."""
+        found = self.find(job)
+        if client:
+            self.scheduler.subscribe_topic(found.topic, client)
+            found.follow(client)
+        return {
+            **found.public_state(),
+            "summary": found.summary(),
+            "checkpoints": list(found.checkpoints),
+        }
+
+    async def forget(self, job_id: str) -> None:
+        """Let the cluster forget a finished job: its record, its results, its events."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        if not job.stopped.is_set():
+            raise JobStillRunningError(job_id, job.state.value)
+        self._drop(job)
+        await self._release(job)
+
+    async def _release(self, job: Supervisor) -> None:
+        """What the cluster keeps of a dropped job: its ranks' values, held messages, events."""
+        _dask_internals.drop_topic(job.topic, None, self.scheduler)
+        if job.attempt is not None:
+            await job.launcher.unpublish(job.attempt)
+            workers = sorted(set(job.attempt.workers) & set(self.scheduler.workers))
+            if workers:
+                await self.client.run(
+                    events.drop_held, job.job_id, workers=workers, on_error="return"
+                )
+
+    def _drop(self, job: Supervisor) -> None:
+        self.jobs.pop(job.job_id, None)
+        self._topics.pop(job.topic, None)
+        if job.attempt is not None:
+            self.unwatch_keys(job.attempt.keys)
+
+
+def _plugin_of(scheduler: Any) -> DaskDDPPlugin:
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        raise SchedulerPluginError(scheduler.address, "the plugin is not installed")
+    return plugin
+
+
+# -- run on the scheduler (Client.run_on_scheduler) ----------------------------------------
+async def _launch(spec: JobSpec, dask_scheduler: Any = None) -> dict[str, Any]:
+    return await _plugin_of(dask_scheduler).launch(spec)
+
+
+async def _cancel(job_id: str, reason: str, dask_scheduler: Any = None) -> None:
+    job = _plugin_of(dask_scheduler).find(job_id)
+    job.cancel(reason)
+    await job.stopped.wait()
+
+
+def _attach(job: str, client: str | None, dask_scheduler: Any = None) -> dict[str, Any]:
+    return _plugin_of(dask_scheduler).attach(job, client)
+
+
+def _rows(dask_scheduler: Any = None) -> list[dict[str, Any]]:
+    return _dashboard.rows(_plugin_of(dask_scheduler))
+
+
+async def _forget(job_id: str, dask_scheduler: Any = None) -> None:
+    await _plugin_of(dask_scheduler).forget(job_id)
+
+
+async def install_on(server: Any) -> None:
+    """Install the plugin on ``server`` if it is a scheduler (the ``dask_setup`` of
+    ``--preload dask_ddp`` and ``--preload dask_ddp.dashboard``)."""
+    if hasattr(server, "register_scheduler_plugin"):
+        await server.register_scheduler_plugin(DaskDDPPlugin(), name=PLUGIN_NAME, idempotent=True)
+
+
+async def _ready(dask_scheduler: Any = None) -> bool:
+    """Whether the plugin is there, once it is ready (its client connected, the workers'
+    handler for large messages registered)."""
+    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        return False
+    await plugin.ready()
+    return True
+
+
+# -- the client's side ---------------------------------------------------------------------
+_installed: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
+_install_lock = threading.Lock()
+
+
+def install(client: Client) -> None:
+    """Install :class:`DaskDDPPlugin` on ``client``'s scheduler, once per client.
+
+    Raises
+    ------
+    SchedulerPluginError
+        The scheduler did not take it (dask-ddp is not importable there, or registering
+        plugins is blocked there).
+    """
+    with _install_lock:
+        if _installed.get(client):
+            return
+        try:
+            # Installed already (by another client, or `--preload dask_ddp`): nothing to do,
+            # on a scheduler that refuses plugin registration too.
+            if not client.run_on_scheduler(_ready):
+                client.register_plugin(DaskDDPPlugin(), name=PLUGIN_NAME)
+                # A scheduler that blocks the handler may answer nothing rather than an error.
+                if not client.run_on_scheduler(_ready):
+                    raise RuntimeError("the plugin is not in the scheduler's plugins")
+        except Exception as exc:
+            raise SchedulerPluginError(
+                client.scheduler.address, f"{type(exc).__name__}: {exc}"
+            ) from exc
+        _installed[client] = True
+
+
+def submit_job(client: Client, spec: JobSpec) -> dict[str, Any]:
+    """Hand ``spec`` to the cluster; its state once it runs or waits."""
+    install(client)
+    return client.run_on_scheduler(_launch, spec)
+
+
+def cancel_job(client: Client, job_id: str, reason: str) -> None:
+    """Cancel a job; return once its ranks stopped."""
+    install(client)
+    client.run_on_scheduler(_cancel, job_id, reason)
+
+
+def attach_job(client: Client, job: str) -> dict[str, Any]:
+    """Follow a job (by id or name): its state, summary and checkpoints so far."""
+    install(client)
+    return client.run_on_scheduler(_attach, job, client.id)
+
+
+def list_jobs(client: Client) -> list[dict[str, Any]]:
+    """Every job the cluster knows, newest first."""
+    install(client)
+    return client.run_on_scheduler(_rows)
+
+
+def forget_job(client: Client, job_id: str) -> None:
+    """Let the cluster forget a finished job."""
+    install(client)
+    client.run_on_scheduler(_forget, job_id)
