@@ -191,6 +191,12 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(p.local_world_size),
         "GROUP_RANK": str(p.node_rank),
         "NODE_RANK": str(p.node_rank),
+        # torchrun's elastic agent runs one worker group per host, in one role ("default"),
+        # so a rank's role rank and role world size are its global ones.
+        "GROUP_WORLD_SIZE": str(p.node_count),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(p.rank),
+        "ROLE_WORLD_SIZE": str(p.world_size),
         "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
         # As torchrun sets it (constant across restarts): torch.distributed's
         # is_torchelastic_launched() is then true, and Lightning takes its TorchElastic
