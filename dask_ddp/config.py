@@ -95,3 +95,9 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
         event_drain_timeout=_seconds(get("ddp.event-drain-timeout"), "event-drain-timeout"),
         scale_timeout=_seconds(get("ddp.scale-timeout"), "scale-timeout"),
     )
+
+
+def script_modules_limit() -> int:
+    """``ddp.script-modules-limit`` in bytes: the most a script's own modules may weigh
+    when shipped with its job (see :func:`dask_ddp.launch_script`)."""
+    return _bytes(dask.config.get("ddp.script-modules-limit"), "script-modules-limit")
