@@ -156,3 +156,30 @@ def test_a_worker_that_does_not_see_the_folder_gets_the_modules_shipped(
     )
     assert ran.result(timeout=60) == 0
     assert client.run(_worker_state) == before
+
+
+def test_over_the_limit_the_folder_serves_workers_that_see_it(
+    client: Client, tmp_path: Path
+) -> None:
+    import dask
+
+    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    path = tmp_path / "uses_helper.py"
+    path.write_text("from helper import VALUE\nassert VALUE == 42\n")
+    with dask.config.set({"ddp.script-modules-limit": 1}):  # one byte: nothing fits
+        assert dask_ddp.launch_script(client, path).result(timeout=120) == [0, 0]
+
+
+def test_what_is_wrong_is_said_with_the_fix() -> None:
+    from dask_ddp.script import ScriptModulesTooLargeError, ScriptSettingsError, script_settings
+
+    block = "# /// script\n# [tool.dask-ddp]\n# {}\n# ///\n"
+    with pytest.raises(ScriptSettingsError, match=r"t.py: .* 'resum'; known keys: resume"):
+        script_settings(block.format("resum = 'own-snapshots'"), "t.py")
+    with pytest.raises(ScriptSettingsError, match=r"resume = 'mine'; accepted: 'own-snapshots'"):
+        script_settings(block.format("resume = 'mine'"), "t.py")
+    with pytest.raises(ScriptSettingsError, match=r"is not valid TOML"):
+        script_settings(block.format("resume = own"), "t.py")
+    too_large = ScriptModulesTooLargeError("train.py", {"big.py": 3 << 20, "small.py": 10}, 1 << 20)
+    assert "big.py (3072 KiB)" in str(too_large)
+    assert "DASK_DDP__SCRIPT_MODULES_LIMIT=64MiB" in str(too_large)
