@@ -63,28 +63,14 @@ def test_a_range_grows_the_script_at_its_next_checkpoint_when_a_worker_joins(
     assert "every rank finished: 3 ranks" in outcome and "3 ranks after grow" in outcome
 
 
+# Appended to test_lightning's script (its imports and LightningModule): a ModelCheckpoint,
+# DaskDDPCheckpoint and the resume path, as docs/scripts.md says.
 LIGHTNING_RESUMES = textwrap.dedent(
     """
     import os, signal, sys
-    import lightning as L
-    import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
 
     from dask_ddp.integrations.lightning import DaskDDPCheckpoint
-
-
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, _):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
     class Test(Callback):  # the test's: says where training starts, kills a worker once
@@ -120,9 +106,11 @@ LIGHTNING_RESUMES = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_lightning_script_resumes_from_the_checkpoint_dir_after_a_kill(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
+    from test_lightning import LIGHTNING_SCRIPT  # skips without Lightning
+
+    module = LIGHTNING_SCRIPT.split('if __name__ == "__main__":')[0]
     script = tmp_path / "train_lightning.py"
-    script.write_text(LIGHTNING_RESUMES)
+    script.write_text(module + LIGHTNING_RESUMES)
     checkpoints = tmp_path / "checkpoints"
     done = subprocess.run(
         [sys.executable, "-m", "dask_ddp", "--max-restarts", "1", "--checkpoint-dir",
