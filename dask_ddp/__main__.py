@@ -106,12 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_nworkers(value: str) -> tuple[int, int]:
+def _parse_nworkers(value: str) -> tuple[int, int]:
     """``"N"`` or ``"MIN:MAX"`` (torchrun's ``--nnodes``) as ``(MIN, MAX)``.
 
-    >>> parse_nworkers("4"), parse_nworkers("2:4")
+    >>> _parse_nworkers("4"), _parse_nworkers("2:4")
     ((4, 4), (2, 4))
-    >>> parse_nworkers("3:2")
+    >>> _parse_nworkers("3:2")
     Traceback (most recent call last):
     ...
     ValueError: --nworkers 3:2: MIN is more than MAX; give MIN:MAX with MIN <= MAX, as 2:3
@@ -147,7 +147,7 @@ def _check(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
     opts.size = None
     if opts.nworkers is not None:
         try:
-            opts.size = parse_nworkers(opts.nworkers)
+            opts.size = _parse_nworkers(opts.nworkers)
         except ValueError as exc:
             parser.error(str(exc))
     if opts.max_restarts < 0:
