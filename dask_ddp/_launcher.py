@@ -181,7 +181,9 @@ class Launcher:
                 max_event_bytes=settings.max_event_bytes,
                 datasets=shares[p.rank],
                 can_grow=can_grow,
+                job=spec.job_id,
                 topic=events.job_topic(spec.job_id),
+                max_restarts=spec.max_restarts,
                 **spec.rank_options,
             )
             for p in plan

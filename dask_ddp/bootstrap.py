@@ -67,8 +67,11 @@ class RankSpec:
     datasets: dict[str, Any] | None = None
     # an elastic job below its size: the ranks may stop at a checkpoint to grow
     can_grow: bool = False
-    # the job's event topic, the same for all its placements (job_id is the placement's)
+    # the job's id and event topic, the same for all its placements (job_id is the
+    # placement's run id), and the restarts it may make (torchrun's variables)
+    job: str | None = None
     topic: str | None = None
+    max_restarts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,11 +231,18 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(p.local_world_size),
         "GROUP_RANK": str(p.node_rank),
         "NODE_RANK": str(p.node_rank),
+        # torchrun's elastic agent runs one worker group per host, in one role ("default"),
+        # so a rank's role rank and role world size are its global ones.
+        "GROUP_WORLD_SIZE": str(p.node_count),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(p.rank),
+        "ROLE_WORLD_SIZE": str(p.world_size),
         "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         # As torchrun sets it (constant across restarts): torch.distributed's
         # is_torchelastic_launched() is then true, and Lightning takes its TorchElastic
         # environment, which reads the variables above.
-        "TORCHELASTIC_RUN_ID": spec.job_id.split("-", 1)[0],
+        "TORCHELASTIC_RUN_ID": spec.job or spec.job_id,
     }
     if p.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices

@@ -99,3 +99,9 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
         orphan_timeout=_seconds(get("ddp.orphan-timeout"), "orphan-timeout"),
         max_resizes=_optional_int(get("ddp.max-resizes"), "max-resizes") or 0,
     )
+
+
+def script_modules_limit() -> int:
+    """``ddp.script-modules-limit`` in bytes: the most a script's own modules may weigh
+    when shipped with its job (see :func:`dask_ddp.launch_script`)."""
+    return _bytes(dask.config.get("ddp.script-modules-limit"), "script-modules-limit")

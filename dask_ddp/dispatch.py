@@ -377,38 +377,87 @@ def launch_script(
     args: Sequence[str] = (),
     *,
     workers: int | Sequence[str] | None = None,
+    min_workers: int | None = None,
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
     on_output: Callable[[OutputLine], Any] | None = None,
+    max_restarts: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    keep_last: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Job:
-    """Run a torchrun-style script as ``__main__`` on each rank.
+    """Run a torchrun-style script as ``__main__`` on each rank, as ``python path args``.
 
     The script is read here and sent to the workers, so it need not exist on them. Each rank
-    sees torchrun's environment and ``sys.argv == [path, *args]``; the script calls
-    ``init_process_group()`` itself, as it would under torchrun. A non-zero ``sys.exit``
-    fails the rank. Every rank's return value is its exit code (0). What the script prints
-    reaches the client line by line (:attr:`Job.output`, and ``on_output`` for each line).
+    sees torchrun's environment (``TORCHELASTIC_RESTART_COUNT`` and
+    ``TORCHELASTIC_MAX_RESTARTS`` included) and ``sys.argv == [path, *args]``; the script
+    calls ``init_process_group()`` itself, as it would under torchrun. Its module is
+    ``sys.modules["__main__"]`` while it runs (pickle finds its classes) and its folder is
+    first on ``sys.path``: workers that see the folder at the same path import from it, and
+    the others get a copy of the modules the script imports from there, shipped with the
+    job (at most ``ddp.script-modules-limit`` in all; see docs/scripts.md). A non-zero
+    ``sys.exit`` fails the rank. Every rank's return value is its exit code (0). What the
+    script prints reaches the client line by line (:attr:`Job.output`, and ``on_output``
+    for each line).
+
+    ``workers``, ``min_workers``, ``backend``, ``timeout``, ``max_restarts``,
+    ``checkpoint_dir``, ``keep_last`` and ``storage_options`` mean what they mean for
+    :func:`launch`: a restarted script runs again from its start, and resumes from
+    :func:`dask_ddp.get_checkpoint` or from snapshot files of its own.
+
+    Raises
+    ------
+    ScriptModulesTooLargeError
+        The modules the script imports from its folder are over the limit and some
+        workers do not see them at that path.
+    SyntaxError
+        The script, or a module it imports from its folder, does not compile.
+
+    And what :func:`launch` raises.
 
     Examples
     --------
     >>> dask_ddp.launch_script(client, "train.py", ["--epochs", "1"]).result()  # doctest: +SKIP
     [0, 0]
+    >>> dask_ddp.launch_script(client, "train.py", max_restarts=3,
+    ...                        checkpoint_dir="s3://bucket/run1")  # doctest: +SKIP
     """
     path = os.fspath(path)
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    return _launch(
+    files = script.script_files(path)
+    limit = config.script_modules_limit()
+    sizes = {name: len(data) for name, data in files.modules.items()}
+    if sum(sizes.values()) > limit:
+        # Too large to ship: fine only where every worker already sees them at that path.
+        seen = client.run(script.sees_modules, files.folder, files.digests)
+        if not all(seen.values()):
+            raise script.ScriptModulesTooLargeError(path, sizes, limit)
+        files = files.without_modules()
+    job = _launch(
         client,
         script.run_script,
         (source, path, [str(a) for a in args]),
-        None,
+        {"files": files},
         workers=workers,
+        min_workers=min_workers,
         backend=backend,
         timeout=timeout,
         pass_local_rank=False,
         on_output=on_output,
         init_process_group=False,
+        max_restarts=max_restarts,
+        checkpoint_dir=checkpoint_dir,
+        keep_last=keep_last,
+        storage_options=storage_options,
     )
+    if files.modules:
+        logger.info(
+            "job %s: shipped %s (%d bytes), which %s imports from %s, for workers that do "
+            "not see that folder", job.job_id, ", ".join(sorted(files.modules)),
+            sum(sizes.values()), os.path.basename(path), files.folder,
+        )  # fmt: skip
+    return job
 
 
 def run(

@@ -56,6 +56,7 @@ class RankPlacement:
     host: str
     use_gpu: bool
     cuda_visible_devices: str | None
+    node_count: int = 1  # hosts in the plan: torchrun's GROUP_WORLD_SIZE
 
 
 def _address_key(address: str) -> tuple[str, int, str]:
@@ -171,6 +172,7 @@ def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
                     host=w.host,
                     use_gpu=w.gpu_count > 0,
                     cuda_visible_devices=_cuda_env(w, local_rank, host_workers),
+                    node_count=len(hosts),
                 )
             )
     return plan

@@ -194,3 +194,76 @@ def test_a_library_script_s_logged_metrics_reach_the_command_line(
     assert result.returncode == 0, result.stderr
     summary = [line for line in result.stderr.splitlines() if " reports; last: " in line]
     assert len(summary) == 1 and "train_loss" in summary[0], result.stderr
+
+
+# A record of one of Dask's loggers as the command's handler writes it ("2026-... name
+# message") or as a worker's own handler does ("2026-... - name - INFO - message").
+DASK_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (- )?distributed\b", re.M)
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+
+
+@pytest.mark.slow
+def test_quiet_by_default_and_dask_s_logs_with_verbose() -> None:
+    quiet, _, _ = _cli("--dashboard", str(EXAMPLE), "--steps", "5")
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "parameters identical on every rank" in quiet.stdout
+    assert len(DASK_LOG_LINE.findall(quiet.stdout + quiet.stderr)) == 0, quiet.stderr
+    said = [line for line in quiet.stderr.splitlines() if line.startswith("dask_ddp:")]
+    assert len(said) == 2 and said[0].startswith("dask_ddp: Dask dashboard: http"), said
+    assert said[1].startswith("dask_ddp: every rank finished: 2 ranks"), said
+    verbose, _, _ = _cli("-v", str(EXAMPLE), "--steps", "5")
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert len(DASK_LOG_LINE.findall(verbose.stderr)) > 5, verbose.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--nworkers", "3:2"], "MIN is more than MAX; give MIN:MAX with MIN <= MAX, as 2:3"),
+        (["--nworkers", "2:x"], "give a number of workers (4) or a range MIN:MAX (2:4)"),
+        (["--max-restarts", "-1"], "--max-restarts -1: give 0 or more restarts"),
+        (["--nworkers", "2:4"], "Pass --checkpoint-dir URL (a folder every worker reaches"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_starts(
+    options: list[str], message: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_ddp", *options, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    if options == ["--nworkers", "2:4"]:  # the error shows how a script opts in
+        assert '# [tool.dask-ddp]\n# resume = "own-snapshots"' in out.stderr
+
+
+OWN_SNAPSHOTS = textwrap.dedent(
+    """
+    # /// script
+    # [tool.dask-ddp]
+    # resume = "own-snapshots"
+    # ///
+    import os
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print("WORLD", dist.get_world_size(), os.environ["TORCHELASTIC_MAX_RESTARTS"], flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_script_that_keeps_its_own_snapshots_runs_elastic_without_a_checkpoint_dir(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "own.py"
+    script.write_text(OWN_SNAPSHOTS)
+    done, _, pgid = _cli("--nworkers", "1:2", "--max-restarts", "2", str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("WORLD 2 2") == 2, done.stdout  # at its most: 2 workers free
+    _assert_group_empty(pgid)

@@ -115,3 +115,71 @@ def test_cli_usage_errors_exit_2_before_starting_anything(tmp_path: Path) -> Non
     )
     assert missing.returncode == 2
     assert "no script at" in missing.stderr and "LocalCluster" not in missing.stderr
+
+
+def _worker_state() -> tuple[str, list[str], bool, str]:
+    import os
+    import sys
+
+    return sys.modules["__main__"].__name__, list(sys.path), "helper" in sys.modules, os.getcwd()
+
+
+def test_a_worker_that_does_not_see_the_folder_gets_the_modules_shipped(
+    client: Client, tmp_path: Path
+) -> None:
+    """The script's folder exists on the client only: the rank imports a copy of the
+    modules the script imports from there, then the worker is as it was."""
+    from dask_ddp.script import ScriptFiles, run_script, script_files
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "helper.py").write_text("VALUE = 42\n")
+    (folder / "unused.py").write_text("raise RuntimeError('not imported, not shipped')\n")
+    source = (
+        "import os, sys, pickle\n"
+        "from helper import VALUE\n"
+        "class Point:\n"
+        "    pass\n"
+        "assert VALUE == 42 and pickle.loads(pickle.dumps(Point())).__class__ is Point\n"
+        "assert sys.modules['__main__'].__file__ == __file__ and __name__ == '__main__'\n"
+        "assert os.environ['TORCHELASTIC_MAX_RESTARTS'] == '3'\n"
+        "os.chdir('/')\n"
+        "sys.path.append('/somewhere')\n"
+    )
+    (folder / "train.py").write_text(source)
+    files = script_files(str(folder / "train.py"))
+    assert sorted(files.modules) == ["helper.py"]
+    before = client.run(_worker_state)
+    elsewhere = ScriptFiles("/nowhere/train.py", "/nowhere", files.modules)  # not on the worker
+    ran = client.submit(
+        run_script, source, "train.py", [], files=elsewhere, max_restarts=3, pure=False
+    )
+    assert ran.result(timeout=60) == 0
+    assert client.run(_worker_state) == before
+
+
+def test_over_the_limit_the_folder_serves_workers_that_see_it(
+    client: Client, tmp_path: Path
+) -> None:
+    import dask
+
+    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    path = tmp_path / "uses_helper.py"
+    path.write_text("from helper import VALUE\nassert VALUE == 42\n")
+    with dask.config.set({"ddp.script-modules-limit": 1}):  # one byte: nothing fits
+        assert dask_ddp.launch_script(client, path).result(timeout=120) == [0, 0]
+
+
+def test_what_is_wrong_is_said_with_the_fix() -> None:
+    from dask_ddp.script import ScriptModulesTooLargeError, ScriptSettingsError, script_settings
+
+    block = "# /// script\n# [tool.dask-ddp]\n# {}\n# ///\n"
+    with pytest.raises(ScriptSettingsError, match=r"t.py: .* 'resum'; known keys: resume"):
+        script_settings(block.format("resum = 'own-snapshots'"), "t.py")
+    with pytest.raises(ScriptSettingsError, match=r"resume = 'mine'; accepted: 'own-snapshots'"):
+        script_settings(block.format("resume = 'mine'"), "t.py")
+    with pytest.raises(ScriptSettingsError, match=r"is not valid TOML"):
+        script_settings(block.format("resume = own"), "t.py")
+    too_large = ScriptModulesTooLargeError("train.py", {"big.py": 3 << 20, "small.py": 10}, 1 << 20)
+    assert "big.py (3072 KiB)" in str(too_large)
+    assert "DASK_DDP__SCRIPT_MODULES_LIMIT=64MiB" in str(too_large)
