@@ -32,12 +32,11 @@ import threading
 import weakref
 from typing import Any
 
-import dask.config
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from . import _dashboard, _dask_internals, _preload, events
-from . import config as _config  # noqa: F401  (loads the ddp.* defaults)
+from . import config as _config
 from ._pool import WorkerPool
 from ._types import JobSpec
 from .errors import (
@@ -70,8 +69,8 @@ class DaskDDPPlugin(SchedulerPlugin):
     idempotent = True  # a second client's registration leaves the running plugin alone
 
     def __init__(self, max_jobs: int | None = None, pages: bool | None = None) -> None:
-        self.max_jobs = int(max_jobs or dask.config.get("ddp.dashboard.max-jobs"))
-        self.pages = bool(dask.config.get("ddp.dashboard.enabled") if pages is None else pages)
+        self.max_jobs = int(max_jobs or _config.get("ddp.dashboard.max-jobs"))
+        self.pages = bool(_config.get("ddp.dashboard.enabled") if pages is None else pages)
         self.jobs: dict[str, Supervisor] = {}  # in launch order
         self.gpus: dict[str, Any] = {}  # worker -> (GPU count, CUDA_VISIBLE_DEVICES)
         self.scheduler: Any = None
@@ -163,6 +162,7 @@ class DaskDDPPlugin(SchedulerPlugin):
             job.on_event(msg)
 
     def remove_client(self, scheduler: Any, client: str) -> None:
+        scheduler.extensions["publish"].datasets.pop(_order_mark(client), None)
         for job in list(self.jobs.values()):
             job.unfollow(client)
 
@@ -369,9 +369,21 @@ def install(client: Client) -> None:
         _installed[client] = True
 
 
+def _order_mark(client_id: str) -> str:
+    return f"dask-ddp-order-{client_id}"
+
+
 def submit_job(client: Client, spec: JobSpec) -> dict[str, Any]:
-    """Hand ``spec`` to the cluster; its state once it runs or waits."""
+    """Hand ``spec`` to the cluster; its state once it runs or waits.
+
+    The job comes after everything this client sent before it: a task submitted just
+    before ``launch()`` on a worker the job uses runs before the job's rank there, as if
+    the client had submitted both. ``Client.publish_dataset`` returns only once the
+    scheduler has read the client's stream that far (the marker is one small dataset per
+    client, dropped when the client leaves).
+    """
     install(client)
+    client.publish_dataset(None, name=_order_mark(client.id), override=True)
     return client.run_on_scheduler(_launch, spec)
 
 

@@ -20,7 +20,20 @@ from dask.utils import parse_bytes, parse_timedelta
 _HERE = os.path.dirname(__file__)
 
 with open(os.path.join(_HERE, "dask_ddp.yaml")) as _f:
-    dask.config.update_defaults(yaml.safe_load(_f))
+    _DEFAULTS = yaml.safe_load(_f)
+dask.config.update_defaults(_DEFAULTS)
+
+
+def get(key: str) -> Any:
+    """``dask.config.get(key)``, falling back to the package's default. The fallback
+    matters when the first ``import`` of this module happened inside a
+    ``dask.config.set(...)`` block: leaving it takes the whole ``ddp`` section away again.
+
+    >>> get("ddp.rendezvous-timeout")
+    '60s'
+    """
+    return dask.config.get(key, default=dask.config.get(key, config=_DEFAULTS))
+
 
 TimeoutLike = float | int | str | timedelta
 
@@ -82,7 +95,6 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
     >>> resolve(timeout="90s").timeout
     90.0
     """
-    get = dask.config.get
     return Settings(
         backend=backend if backend is not None else get("ddp.backend"),
         timeout=_seconds(timeout if timeout is not None else get("ddp.timeout"), "timeout"),
@@ -104,4 +116,4 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
 def script_modules_limit() -> int:
     """``ddp.script-modules-limit`` in bytes: the most a script's own modules may weigh
     when shipped with its job (see :func:`dask_ddp.launch_script`)."""
-    return _bytes(dask.config.get("ddp.script-modules-limit"), "script-modules-limit")
+    return _bytes(get("ddp.script-modules-limit"), "script-modules-limit")

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from . import errors, events
 from ._launcher import Attempt, Launcher, wait_first
-from ._progress import Progress
+from ._progress import Progress, ended_text
 from ._types import JobSpec, JobState, Transition
 from .errors import (
     DaskDDPError,
@@ -187,7 +187,7 @@ class Supervisor:
         if "end" in msg:
             outcome = msg.get("outcome") or {"ok": True}
             a.markers[rank] = outcome
-            self.progress.end(rank, _ended_text(outcome))
+            self.progress.end(rank, ended_text(outcome))
             self._changed.set()
 
     def on_task(self, rank: int, finish: str, info: dict[str, Any]) -> None:
@@ -713,23 +713,3 @@ class Supervisor:
             "followers": len(self.followers),
             "detached": self.spec.detach,
         }
-
-
-def _ended_text(outcome: dict[str, Any]) -> str:
-    """How a rank ended, as its row in the views says it.
-
-    >>> _ended_text({"stopped": "ValueError: x", "failed_rank": 1})
-    'stopped: rank 1 failed'
-    >>> _ended_text({"failed": "ValueError: bad batch"})
-    'failed: ValueError: bad batch'
-    """
-    if "failed" in outcome:
-        return f"failed: {outcome['failed']}"
-    if "stopped" in outcome:
-        first = outcome.get("failed_rank")
-        if first is not None and first >= 0:
-            return f"stopped: rank {first} failed"
-        return f"stopped: {outcome['stopped']}"
-    if "grow" in outcome:
-        return f"stopped: the job resizes at step {outcome['grow']}"
-    return "finished"

@@ -305,3 +305,28 @@ def _spec_of(job_id: str, dask_scheduler: Any = None) -> float:
 def test_attaching_to_a_job_the_cluster_does_not_know_says_so(client: Client) -> None:
     with pytest.raises(dask_ddp.JobNotFoundError, match="never ran here"):
         dask_ddp.attach(client, "no-such-job")
+
+
+class _OnlyOnAWorker:
+    """Unpickles in a Dask worker only: anywhere else (the scheduler, the client) it raises."""
+
+    def __reduce__(self) -> tuple:
+        return (_only_on_a_worker, ())
+
+
+def _only_on_a_worker() -> str:
+    from distributed import get_worker
+
+    get_worker()  # ValueError outside a worker
+    return "unpickled on a worker"
+
+
+def _describe(thing: object) -> str:
+    return str(thing)
+
+
+def test_the_scheduler_never_unpickles_the_function_or_its_arguments(client: Client) -> None:
+    # The supervisor keeps the bytes the client sent: only the ranks unpickle them, so the
+    # scheduler needs none of the user's code (and runs none of it).
+    job = dask_ddp.launch(client, _describe, args=(_OnlyOnAWorker(),), max_restarts=1)
+    assert job.result(timeout=60) == ["unpickled on a worker"] * 2

@@ -58,6 +58,12 @@ class DaskDDPCallback(TrainerCallback):
         except NotInRankError:
             return
         files: dict[str, bytes] = {}
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            # Every process writes its own files there (rng_state_<rank>.pth): rank 0
+            # reads the directory once they all have, never a half-written one.
+            dist.barrier()
         if rank == 0:
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             files = _read_dir(path)
