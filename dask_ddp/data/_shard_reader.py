@@ -84,18 +84,9 @@ class ShardReader:
         The shards to read.
     storage_options : mapping
         The filesystem's options (see :func:`~dask_ddp.data._fsclient.filesystem_options`).
-    retries : int
-        Extra attempts for a transiently failed S3 request.
-    cache_dir : str, optional
-        The host's cache directory; default ``<tempdir>/dask-ddp-shards-<uid>``.
-    cache_size : int, optional
-        The cache's size limit in bytes; default none.
-    open_shards : int
-        How many shards this process keeps open.
-    prefetch : int
-        How many shards ahead :attr:`order` downloads (remote shards only).
-    freeze_gc : bool
-        Freeze the objects a DataLoader worker inherits before its first read.
+    retries, cache_dir, cache_size, open_shards, prefetch, freeze_gc
+        As ``ShardListDataset``'s (``cache_size`` in bytes); ``prefetch`` applies to
+        remote shards only, through :attr:`order`.
     fs : filesystem, optional
         A client for the shards' filesystem already made in this process (the one that
         read the shard list), to go on with its connection.

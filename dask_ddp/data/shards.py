@@ -123,7 +123,8 @@ class ShardListDataset(Dataset):
         wids's decoding, used unless ``decode=`` or ``keys=`` is given: each function gets
         the sample dict (fields as ``io.BytesIO`` under ``.jpg``, ``.cls``, ...) and
         returns the next; ``"PIL"`` (the default) and ``"numpy"`` decode by extension as
-        wids does (see ``dask_ddp.data._decode.WidsDecoder``); ``[]`` leaves the fields undecoded.
+        wids does (see ``dask_ddp.data._decode.WidsDecoder``); ``[]`` leaves the fields
+        undecoded.
     base : str, optional
         The folder relative shard URLs are resolved against; default: the shard list's
         ``"base"``, else the JSON file's folder.
