@@ -345,7 +345,9 @@ def watch_progress(model: Any, file: Any = None) -> None:
     with tqdm(desc=f"job {model.job_id}", unit=" reports", file=file) as bar:
         shown, line = 0, ""
         for count, line in model.progress_lines():
-            bar.set_postfix_str(line, refresh=False)
+            # A new phase or activity is drawn at once; new records at tqdm's rate, so the
+            # line a waiting job last changed to is never left undrawn.
+            bar.set_postfix_str(line, refresh=count == shown)
             bar.update(count - shown)
             shown = count
         model.done.wait()  # set right after the channel closes

@@ -116,13 +116,22 @@ def test_a_lightning_script_logs_into_job_metrics(client: Client, tmp_path) -> N
     assert sorted({r.step for r in logged if r.rank == 0}) == [1, 3, 5]  # every 2nd step
 
 
-def test_the_logger_outside_a_rank_sends_nothing_and_says_so_once(caplog) -> None:
+def test_the_logger_outside_a_rank_sends_nothing_and_says_so_once(caplog, monkeypatch) -> None:
     from dask_ddp.integrations.lightning import DaskDDPLogger
 
+    real, tried, sent = dask_ddp.report, [], []
+
+    def report(metrics, *, step=None):  # the real report(), watched: what got through?
+        tried.append(step)
+        real(metrics, step=step)  # outside a rank it refuses the record
+        sent.append((dict(metrics), step))
+
+    monkeypatch.setattr(dask_ddp, "report", report)
     log = DaskDDPLogger(prefix="train/")
     assert (log.name, log.version) == ("dask_ddp", "local")
     log.log_metrics({"loss": torch.tensor(0.5), "note": "text"}, step=1)
     log.log_metrics({"loss": 0.4}, step=2)
+    assert tried == [1, 2] and sent == []  # both records offered, neither sent
     assert caplog.text.count("outside a dask_ddp rank") == 1
 
 

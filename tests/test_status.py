@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distributed import Client, Event
+from distributed.utils_test import poll_for
 
 import dask_ddp
 from dask_ddp import _status, events
@@ -71,11 +72,19 @@ def test_watch_prints_phases_and_activity(client: Client) -> None:
     out = io.StringIO()
     go = Event("status-watch-go", client=client)
     job = dask_ddp.launch(client, _busy_then, args=("status-watch-go",))
-    _wait_for(job, lambda s: all(r["activity"] == _FILLED for r in s["ranks"]))
-    go.set()
-    job.watch(file=out)
+    watcher = threading.Thread(target=job.watch, kwargs={"file": out}, daemon=True)
+    watcher.start()  # watching while the ranks start, work and wait
+    waiting = f"r0 running ({_FILLED}) | r1 running ({_FILLED})"  # phase and activity
+    try:
+        _wait_for(job, lambda s: all(r["activity"] == _FILLED for r in s["ranks"]))
+        poll_for(lambda: waiting in out.getvalue(), timeout=30)  # drawn while they wait
+    finally:
+        go.set()
+    watcher.join(60)
     assert job.result(timeout=60) == [0, 1]
-    assert "succeeded" in out.getvalue()
+    drawn = out.getvalue()
+    assert waiting in drawn
+    assert "succeeded; r0 step 0 loss 1 | r1 step 0 loss 1" in drawn[drawn.index(waiting) :]
 
 
 def test_status_calls_outside_a_rank_only_log(caplog) -> None:

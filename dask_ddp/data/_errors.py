@@ -14,6 +14,8 @@ import os
 from collections import Counter
 from typing import Any, Literal
 
+from dask.utils import parse_bytes
+
 from dask_ddp.errors import DaskDDPError
 
 __all__ = [
@@ -466,6 +468,24 @@ def check_int(name: str, value: object, minimum: int) -> None:
     """
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}= must be an int >= {minimum}, got {value!r}")
+
+
+def parse_size(name: str, value: int | str) -> int:
+    """Bytes from a size given as an int or a string such as ``"200GB"``.
+
+    >>> parse_size("cache_size", "2kB")
+    2000
+    >>> parse_size("cache_size", 0)
+    Traceback (most recent call last):
+    ValueError: cache_size= must be a positive size, got 0
+    """
+    try:
+        size = parse_bytes(value) if isinstance(value, str) else value
+    except ValueError as err:
+        raise ValueError(f"{name}= takes bytes or a size like '200GB', got {value!r}") from err
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{name}= must be a positive size, got {value!r}")
+    return size
 
 
 OnCorrupt = Literal["raise", "skip"]

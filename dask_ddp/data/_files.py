@@ -32,15 +32,15 @@ from dask_ddp.data._errors import (
     check_on_corrupt,
 )
 from dask_ddp.data._fsclient import (
-    _cat_concurrently,
-    _endpoint_of,
-    _missing_reason,
-    _nearby,
-    _new_filesystem,
-    _protocol_of,
-    _storage_failure,
-    _storage_options,
+    cat_concurrently,
+    endpoint_of,
+    filesystem_options,
+    missing_reason,
+    nearby,
+    new_filesystem,
+    protocol_of,
     storage_errors,
+    storage_failure,
 )
 from dask_ddp.data._workers import freeze_inherited_objects
 from dask_ddp.data.cache import LocalCache
@@ -48,7 +48,7 @@ from dask_ddp.data.cache import LocalCache
 logger = logging.getLogger("dask_ddp.data.s3")  # the name users configure, as before
 
 
-_Entry = tuple[str, "int | None", str]  # (path without protocol, size, ETag or mtime)
+Entry = tuple[str, "int | None", str]  # (path without protocol, size, ETag or mtime)
 
 
 class FileDataset(Dataset):
@@ -163,7 +163,7 @@ class FileDataset(Dataset):
         self.retries = retries
         self.on_corrupt: OnCorrupt = on_corrupt
         self.freeze_gc = freeze_gc
-        options = _storage_options(
+        options = filesystem_options(
             protocol, endpoint_url, anon, storage_options, concurrency, retries
         )
         cache = LocalCache(cache_dir) if cache_dir is not None else None
@@ -195,7 +195,7 @@ class FileDataset(Dataset):
 
     # -- construction -------------------------------------------------------------------
 
-    def _index(self, root: str, entries: list[_Entry]) -> None:
+    def _index(self, root: str, entries: list[Entry]) -> None:
         """Choose the samples among ``entries``; subclasses override this."""
         kept = [e for e in entries if not e[0].endswith("/") and self._accepts(e[0])]
         if not kept:
@@ -371,7 +371,7 @@ class _FileStore:
     ) -> None:
         self.protocol, self.options = protocol, options
         self.retries, self.concurrency, self.cache = retries, concurrency, cache
-        self.endpoint = _endpoint_of(options)
+        self.endpoint = endpoint_of(options)
         self.fs: fsspec.AbstractFileSystem | None = None
         self.pid: int | None = None
         self.stats: Counter[str] = Counter()
@@ -387,14 +387,14 @@ class _FileStore:
     def filesystem(self) -> fsspec.AbstractFileSystem:
         """This process's client, created on first use in each process."""
         if self.fs is None or self.pid != os.getpid():  # a forked child: see _fsclient
-            self.fs = _new_filesystem(self.protocol, self.options, self.retries)
+            self.fs = new_filesystem(self.protocol, self.options, self.retries)
             self.pid = os.getpid()
         return self.fs
 
     def url(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path}"
 
-    def list(self, root: str) -> list[_Entry]:
+    def list(self, root: str) -> list[Entry]:
         """List every file under ``root`` once (one paginated listing on S3)."""
         fs = self.filesystem()
         url = self.url(root)
@@ -402,9 +402,9 @@ class _FileStore:
             with storage_errors(url, self.endpoint):
                 found = fs.find(root, detail=True)
         except FileNotFoundError as err:
-            raise DataNotFoundError(url, _missing_reason(self.protocol, root, err)) from err
+            raise DataNotFoundError(url, missing_reason(self.protocol, root, err)) from err
         if not found:
-            raise DataNotFoundError(url, "nothing is under it" + _nearby(fs, root, self.url))
+            raise DataNotFoundError(url, "nothing is under it" + nearby(fs, root, self.url))
         entries = []
         for path, info in sorted(found.items()):
             token = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
@@ -461,7 +461,7 @@ class _FileStore:
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception):
                     raise result
-                failure = _storage_failure(result, self.url(path), self.endpoint)
+                failure = storage_failure(result, self.url(path), self.endpoint)
                 if failure is not None:
                     raise failure from result
                 raise SampleFetchError(
@@ -473,7 +473,7 @@ class _FileStore:
         """Fetch ``paths`` from the store; each result is bytes or the error for that path."""
         fs = self.filesystem()
         if getattr(fs, "async_impl", False):
-            results = fsspec.asyn.sync(fs.loop, _cat_concurrently, fs, paths, self.concurrency)
+            results = fsspec.asyn.sync(fs.loop, cat_concurrently, fs, paths, self.concurrency)
         else:
             results = []
             for path in paths:
@@ -505,11 +505,11 @@ def _parse_url(
     """``(prefix URL or None, file URLs or None, protocol)`` of a dataset's ``url=``."""
     if isinstance(url, (str, os.PathLike)):
         root_url = os.fspath(url)
-        return root_url, None, _protocol_of(root_url)
+        return root_url, None, protocol_of(root_url)
     urls = [os.fspath(u) for u in url]
     if not urls:
         raise ValueError("url= is an empty list; pass a prefix or at least one file URL")
-    protocols = {_protocol_of(u) for u in urls}
+    protocols = {protocol_of(u) for u in urls}
     if len(protocols) > 1:
         raise ValueError(f"every URL in url= must use one filesystem; got {sorted(protocols)}")
     return None, urls, protocols.pop()

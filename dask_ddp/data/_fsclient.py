@@ -1,10 +1,10 @@
 """fsspec clients for the datasets: one per process, fork-safe, with shared botocore data.
 
 s3fs/boto clients are not fork-safe, so each dataset creates its client lazily in each
-process (:func:`_new_filesystem`); this module keeps every client it made, so that a forked
+process (:func:`new_filesystem`); this module keeps every client it made, so that a forked
 child never finalizes its parent's. It also turns the datasets' URL and options into an
-fsspec protocol and ``storage_options`` (:func:`_storage_options`), reads many files
-concurrently on fsspec's loop (:func:`_cat_concurrently`), and explains a missing prefix.
+fsspec protocol and ``storage_options`` (:func:`filesystem_options`), reads many files
+concurrently on fsspec's loop (:func:`cat_concurrently`), and explains a missing prefix.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ if hasattr(os, "register_at_fork"):  # not on Windows
 _BOTOCORE_LOADERS: dict[str | None, Any] = {}
 
 
-def _new_filesystem(
+def new_filesystem(
     protocol: str, options: Mapping[str, Any], retries: int
 ) -> fsspec.AbstractFileSystem:
     """A new client for ``protocol``, registered so that forked children never close it.
@@ -115,7 +115,7 @@ def _refused(err: BaseException | None) -> bool:
     return False
 
 
-def _storage_failure(err: BaseException, url: str, endpoint: str) -> Exception | None:
+def storage_failure(err: BaseException, url: str, endpoint: str) -> Exception | None:
     """The :class:`StorageAccessError` that ``err`` means, or None for any other error."""
     try:
         from botocore.exceptions import (
@@ -144,13 +144,13 @@ def storage_errors(url: str, endpoint: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        failure = _storage_failure(err, url, endpoint)
+        failure = storage_failure(err, url, endpoint)
         if failure is None:
             raise
         raise failure from err
 
 
-async def _cat_concurrently(
+async def cat_concurrently(
     fs: fsspec.asyn.AsyncFileSystem, paths: list[str], limit: int
 ) -> list[bytes | BaseException]:
     """Read every path with at most ``limit`` requests in flight; errors are returned.
@@ -168,7 +168,7 @@ async def _cat_concurrently(
     return await asyncio.gather(*(one(p) for p in paths), return_exceptions=True)
 
 
-def _protocol_of(url: str) -> str:
+def protocol_of(url: str) -> str:
     if "::" in url:
         raise ValueError(
             f"chained URLs such as {url!r} are not supported; pass the plain URL and use "
@@ -180,7 +180,7 @@ def _protocol_of(url: str) -> str:
     return "s3" if protocol in ("s3", "s3a") else protocol
 
 
-def _storage_options(
+def filesystem_options(
     protocol: str,
     endpoint_url: str | None,
     anon: bool | None,
@@ -215,7 +215,7 @@ def _storage_options(
     options["config_kwargs"] = config
     options.update(user)
     client = dict(options.get("client_kwargs") or {})
-    if _endpoint_of(options).lower().startswith("http://") and "verify" not in client:
+    if endpoint_of(options).lower().startswith("http://") and "verify" not in client:
         # No TLS to this store: spare each client (each DataLoader worker makes one)
         # loading the CA bundle into an SSL context it never uses, about 20 ms of CPU.
         client["verify"] = False
@@ -223,14 +223,14 @@ def _storage_options(
     return options
 
 
-def _endpoint_of(options: Mapping[str, Any]) -> str:
+def endpoint_of(options: Mapping[str, Any]) -> str:
     endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
         "endpoint_url"
     )
     return str(endpoint or "")
 
 
-def _missing_reason(protocol: str, root: str, err: OSError) -> str:
+def missing_reason(protocol: str, root: str, err: OSError) -> str:
     if protocol == "s3":
         bucket = root.split("/", 1)[0]
         if "bucket" in str(err).lower():
@@ -241,7 +241,7 @@ def _missing_reason(protocol: str, root: str, err: OSError) -> str:
     return f"it does not exist ({err})"
 
 
-def _nearby(fs: fsspec.AbstractFileSystem, root: str, to_url: Callable[[str], str]) -> str:
+def nearby(fs: fsspec.AbstractFileSystem, root: str, to_url: Callable[[str], str]) -> str:
     """A hint naming what the parent folder holds, for a prefix with nothing under it."""
     parent = root.rsplit("/", 1)[0] if "/" in root else root
     try:

@@ -2,49 +2,19 @@
 
 :class:`S3ImageFolder` is :class:`~dask_ddp.data._files.FileDataset` with ImageFolder's
 indexing (classes from the folders under the prefix, sorted; images in ImageFolder's
-order) and its sample, ``(image, class_index)``; :func:`decode_image` is its loader.
+order) and its sample, ``(image, class_index)``; :func:`decode_image`
+(:mod:`dask_ddp.data._decode`) is its loader.
 """
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from PIL import Image
-
+from dask_ddp.data._decode import IMG_EXTENSIONS, decode_image
 from dask_ddp.data._errors import DataNotFoundError, OnCorrupt
-from dask_ddp.data._files import FileDataset, _Entry
-
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-"""torchvision's ``IMG_EXTENSIONS`` (the tests check they agree), copied so that this
-module does not import torchvision (about 1 s in every spawned worker)."""
-
-
-def decode_image(data: bytes) -> Image.Image:
-    """Decode image bytes into an RGB :class:`PIL.Image.Image`, as ImageFolder's loader does.
-
-    Parameters
-    ----------
-    data : bytes
-        The encoded image (JPEG, PNG, ... anything Pillow reads).
-
-    Returns
-    -------
-    PIL.Image.Image
-        The image, fully loaded and converted to RGB.
-
-    Examples
-    --------
-    >>> buf = io.BytesIO()
-    >>> Image.new("L", (4, 3), 128).save(buf, format="PNG")
-    >>> img = decode_image(buf.getvalue())
-    >>> img.mode, img.size
-    ('RGB', (4, 3))
-    """
-    img = Image.open(io.BytesIO(data))
-    return img.convert("RGB")
+from dask_ddp.data._files import Entry, FileDataset
 
 
 class S3ImageFolder(FileDataset):
@@ -176,7 +146,7 @@ class S3ImageFolder(FileDataset):
             return bool(self.is_valid_file(self._url(path)))
         return path.lower().endswith(IMG_EXTENSIONS)
 
-    def _index(self, root: str, entries: list[_Entry]) -> None:
+    def _index(self, root: str, entries: list[Entry]) -> None:
         base = root + "/"
         classes: set[str] = set()
         images = []

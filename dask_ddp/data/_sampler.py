@@ -1,5 +1,14 @@
 """DistributedChunkedSampler: each rank's equal share of a dataset's indices, in contiguous
 chunks (a shard each), shuffled per epoch.
+
+The sampler works on any sized dataset. A dataset that also says where its shards start
+and accepts a reading order (:class:`ShardedDataset`, as
+:class:`~dask_ddp.data.ShardListDataset` does) gets chunks that follow its shards, is told
+each epoch's shard order, and starts downloading the first shards when the epoch starts.
+
+Rank and world size come from the caller, or from ``torch.distributed`` when a process
+group is initialised (as torch's ``DistributedSampler``); the sampler knows nothing else
+of dask_ddp.
 """
 
 from __future__ import annotations
@@ -7,15 +16,40 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-from collections.abc import Iterator, Sized
-from typing import Literal
+from collections.abc import Iterator, Sequence, Sized
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from dask_ddp.data._protocols import ShardedDataset
-
 logger = logging.getLogger("dask_ddp.data.shards")
+
+
+@runtime_checkable
+class ShardedDataset(Protocol):
+    """A dataset stored in shards, read best in shard order.
+
+    Examples
+    --------
+    >>> class Two:
+    ...     shard_offsets = [0, 10]
+    ...     def __len__(self): return 20
+    ...     def set_shard_order(self, order): self.order = order
+    ...     def start_prefetch(self): pass
+    >>> isinstance(Two(), ShardedDataset)
+    True
+    """
+
+    #: The index of each shard's first sample, in shard order (``[0, n0, n0 + n1, ...]``).
+    shard_offsets: Sequence[int]
+
+    def __len__(self) -> int: ...
+
+    def set_shard_order(self, order: Sequence[int] | None) -> None:
+        """The shards (positions in ``shard_offsets``) in the order they will be read."""
+
+    def start_prefetch(self) -> None:
+        """Start fetching the first shards of the order, in the background."""
 
 
 Partition = Literal["fixed", "shuffled"]
@@ -46,7 +80,7 @@ class DistributedChunkedSampler(Sampler[int]):
         The dataset (only its length, and its ``shard_offsets`` if present, are used).
     num_replicas : int, optional
         The number of ranks. Default: the ``torch.distributed`` world size when a process
-        group is initialised, else the dask_ddp context's, else 1.
+        group is initialised (inside a dask_ddp rank it is), else 1.
     num_samples : int, optional
         Use only the dataset's first ``num_samples`` indices (wids's argument; the
         attribute ``num_samples`` is the count per rank, as in ``DistributedSampler``).
@@ -282,20 +316,13 @@ def _chunks(n: int, offsets: list[int], chunksize: int | None) -> list[tuple[int
 
 
 def _default_rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` from torch.distributed, else the dask_ddp context, else (0, 1)."""
+    """``(rank, world_size)`` from torch.distributed, else ``(0, 1)``."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    from dask_ddp.context import get_context
-    from dask_ddp.errors import NotInRankError
-
-    try:
-        ctx = get_context()
-    except NotInRankError:
-        logger.info(
-            "DistributedChunkedSampler: no process group and no dask_ddp rank here; "
-            "reading every index as rank 0 of 1 (pass num_replicas= and rank= to choose)"
-        )
-        return 0, 1
-    return ctx.rank, ctx.world_size
+    logger.info(
+        "DistributedChunkedSampler: no torch.distributed process group here; reading every "
+        "index as rank 0 of 1 (pass num_replicas= and rank= to choose)"
+    )
+    return 0, 1

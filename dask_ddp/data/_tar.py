@@ -1,34 +1,26 @@
-"""Plain tar shards: the per-shard index of sample keys, field offsets and sizes (built by
-scanning the tar headers, cached as a flat encoding), and positioned reads.
+"""What is in a plain tar shard: its samples' keys, and each field's byte offset and size.
+
+:func:`index_tar` reads a tar file's headers once and groups its members into samples, as
+webdataset does; the :class:`TarIndex` it returns encodes to bytes for the host's cache.
+Nothing here downloads, caches or keeps files open (see :mod:`dask_ddp.data._shard_reader`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import mmap
 import os
 import tarfile
 from array import array
 from collections.abc import Iterator
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO
 
 import numpy as np
 
-from dask_ddp.data._errors import (
-    CorruptDataError,
-)
-
-logger = logging.getLogger("dask_ddp.data.shards")
+from dask_ddp.data._errors import CorruptDataError
 
 
-class _Shard(NamedTuple):
-    url: str
-    nsamples: int
-    filesize: int | None
-
-
-class _Index:
+class TarIndex:
     """A shard's samples in order, in flat arrays: sample ``j`` is ``keys[j]``, and its
     members are ``first[j]`` to ``first[j + 1]`` of ``exts``, ``offsets`` and ``sizes``.
 
@@ -60,9 +52,9 @@ class _Index:
     def encode(self) -> bytes:
         """JSON bytes for the host's cache; :meth:`decode` reads them back.
 
-        >>> idx = _Index(["a", "b"], array("q", [0, 2, 3]), ["jpg", "cls", "jpg"],
+        >>> idx = TarIndex(["a", "b"], array("q", [0, 2, 3]), ["jpg", "cls", "jpg"],
         ...              array("q", [512, 2048, 3072]), array("q", [1000, 1, 900]))
-        >>> back = _Index.decode(idx.encode())
+        >>> back = TarIndex.decode(idx.encode())
         >>> back.keys, list(back.fields(0)), list(back.fields(1))
         (['a', 'b'], [('jpg', 512, 1000), ('cls', 2048, 1)], [('jpg', 3072, 900)])
         """
@@ -78,7 +70,7 @@ class _Index:
         ).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> _Index:
+    def decode(cls, data: bytes) -> TarIndex:
         d = json.loads(data)
         return cls(
             d["keys"],
@@ -87,13 +79,6 @@ class _Index:
             array("q", d["offsets"]),
             array("q", d["sizes"]),
         )
-
-
-class _Open(NamedTuple):
-    """A shard open in this process: its file and its sample index."""
-
-    file: BinaryIO
-    samples: _Index
 
 
 _ZERO_BLOCK = bytes(512)
@@ -173,8 +158,8 @@ def _checksums_match(heads: np.ndarray) -> bool:
     return bool((sums == stored).all())
 
 
-def _index_tar(f: BinaryIO, url: str) -> _Index:
-    """Group a tar file's members into samples (see :class:`_Index`).
+def index_tar(f: BinaryIO, url: str) -> TarIndex:
+    """Group a tar file's members into samples (see :class:`TarIndex`).
 
     Members with the same key must be adjacent (as webdataset writes and reads them);
     members without an extension, and anything but regular files, are skipped.
@@ -232,11 +217,4 @@ def _index_tar(f: BinaryIO, url: str) -> _Index:
     if len(keep) != len(names):
         offsets = array("q", [offsets[m] for m in keep])
         sizes = array("q", [sizes[m] for m in keep])
-    return _Index(keys, first, exts, offsets, sizes)
-
-
-def _pread(f: BinaryIO, size: int, offset: int) -> bytes:
-    if hasattr(os, "pread"):
-        return os.pread(f.fileno(), size, offset)
-    f.seek(offset)  # pragma: no cover - Windows; callers hold the dataset's lock
-    return f.read(size)  # pragma: no cover
+    return TarIndex(keys, first, exts, offsets, sizes)

@@ -1,5 +1,6 @@
 """write_shards: an existing dataset (ImageFolder, S3ImageFolder, dicts, any iterable) into
-tar shards and a shard list.
+tar shards and a shard list, each field encoded by its extension (the counterpart of
+:data:`~dask_ddp.data.DEFAULT_DECODERS`).
 """
 
 from __future__ import annotations
@@ -20,16 +21,14 @@ from typing import Any, BinaryIO
 import fsspec
 import fsspec.core
 import numpy as np
+import torch
+from PIL import Image
 from torch.utils.data import IterableDataset
 
-from dask_ddp.data._codecs import _IMAGE_EXTS, _encode_sample, _ext_of
-from dask_ddp.data._dataset import _parse_size
-from dask_ddp.data._fsclient import (
-    _new_filesystem,
-    _protocol_of,
-    _storage_options,
-)
-from dask_ddp.data._imagefolder import decode_image
+from dask_ddp.data._decode import IMAGE_EXTS, INT_EXTS, JSON_EXTS, TEXT_EXTS, decode_image
+from dask_ddp.data._errors import parse_size
+from dask_ddp.data._fsclient import filesystem_options, new_filesystem, protocol_of
+from dask_ddp.data._imagefolder import S3ImageFolder
 
 logger = logging.getLogger("dask_ddp.data.shards")
 
@@ -144,20 +143,18 @@ def write_shards(
     """
     if isinstance(maxcount, bool) or not isinstance(maxcount, int) or maxcount < 1:
         raise ValueError(f"maxcount= must be an int >= 1, got {maxcount!r}")
-    limit = _parse_size("maxsize", maxsize)
+    limit = parse_size("maxsize", maxsize)
     if isinstance(fields, str):
         raise TypeError(f"fields= takes a sequence of extensions, e.g. ({fields!r},)")
     image_format = image_format.lower().lstrip(".")
-    if image_format not in _IMAGE_EXTS:
-        raise ValueError(
-            f"image_format= must be one of {sorted(_IMAGE_EXTS)}, got {image_format!r}"
-        )
+    if image_format not in IMAGE_EXTS:
+        raise ValueError(f"image_format= must be one of {sorted(IMAGE_EXTS)}, got {image_format!r}")
     root = os.fspath(url).rstrip("/")
-    protocol = _protocol_of(root)
+    protocol = protocol_of(root)
     if protocol == "file":
         root = os.path.abspath(fsspec.core.strip_protocol(root))
-    options = _storage_options(protocol, endpoint_url, anon, storage_options, 10, 8)
-    fs = _new_filesystem(protocol, options, 8)
+    options = filesystem_options(protocol, endpoint_url, anon, storage_options, 10, 8)
+    fs = new_filesystem(protocol, options, 8)
     base = fsspec.core.strip_protocol(root)
     if protocol == "file":
         os.makedirs(base, exist_ok=True)
@@ -329,8 +326,6 @@ def _items(samples: Iterable[Any], shuffle: bool, seed: int) -> Iterator[tuple[i
 
 def _raw_reader(dataset: Any) -> Callable[[list[int]], list[dict[str, Any]]] | None:
     """For image folders without transforms: read each file's bytes instead of decoding."""
-    from dask_ddp.data.s3 import S3ImageFolder
-
     if (
         isinstance(dataset, S3ImageFolder)
         and dataset.transform is None
@@ -369,3 +364,114 @@ def _raw_reader(dataset: Any) -> Callable[[list[int]], list[dict[str, Any]]] | N
 
         return read_files
     return None
+
+
+# -- encoding a sample ------------------------------------------------------------------
+
+
+def _ext_of(path: str) -> str:
+    return path.rsplit("/", 1)[-1].rsplit(".", 1)[-1].lower()
+
+
+def _encode_sample(
+    item: Any, index: int, fields: Sequence[str] | None, image_format: str
+) -> tuple[str, list[tuple[str, bytes]]]:
+    if isinstance(item, Mapping):
+        key = str(item.get("__key__", f"{index:09d}"))
+        values = [  # "__shard__", "__index__", ...: a ShardListDataset's metadata
+            (str(k).lower().lstrip("."), v) for k, v in item.items() if not str(k).startswith("__")
+        ]
+    else:
+        key = f"{index:09d}"
+        elements = tuple(item) if isinstance(item, (tuple, list)) else (item,)
+        if fields is not None:
+            if len(fields) != len(elements):
+                raise ValueError(
+                    f"sample {index} has {len(elements)} elements but fields= names "
+                    f"{len(fields)}: {tuple(fields)}"
+                )
+            names = [f.lower().lstrip(".") for f in fields]
+        else:
+            names = [_ext_for(v, index, image_format) for v in elements]
+        values = list(zip(names, elements, strict=True))
+    if not key or "." in key or key.startswith("/"):
+        raise ValueError(
+            f"sample {index}'s key {key!r} cannot name tar members: it must be non-empty, "
+            "without '.', and not start with '/'"
+        )
+    seen: set[str] = set()
+    for ext, _ in values:
+        if ext in seen or not ext:
+            raise ValueError(
+                f"sample {index} has {'two ' + repr(ext) if ext else 'an empty'} field "
+                "name; name each field with fields= (tuples) or distinct dict keys"
+            )
+        seen.add(ext)
+    if not values:
+        raise ValueError(f"sample {index} has no fields")
+    return key, [(ext, _encode_value(ext, v, index)) for ext, v in values]
+
+
+def _ext_for(value: Any, index: int, image_format: str) -> str:
+    if isinstance(value, Image.Image):
+        return image_format
+    if isinstance(value, (int, np.integer)):
+        return "cls"
+    if isinstance(value, str):
+        return "txt"
+    if isinstance(value, torch.Tensor):
+        return "pth"
+    if isinstance(value, np.ndarray):
+        return "npy"
+    if isinstance(value, (dict, list)):
+        return "json"
+    raise TypeError(
+        f"sample {index} has a {type(value).__name__}, which write_shards cannot name; "
+        "pass fields= with an extension for each element (bytes are written as they are)"
+    )
+
+
+def _encode_value(ext: str, value: Any, index: int) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    last = ext.rsplit(".", 1)[-1]
+    try:
+        if last in IMAGE_EXTS and isinstance(value, Image.Image):
+            return _encode_image(value, last)
+        if last in INT_EXTS:
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            if isinstance(value, float) or int(value) != value:
+                raise TypeError(f"{type(value).__name__} {value!r} is not an integer")
+            return str(int(value)).encode("ascii")
+        if last in TEXT_EXTS and isinstance(value, str):
+            return value.encode("utf-8")
+        if last in JSON_EXTS:
+            return json.dumps(value).encode("utf-8")
+        if last == "pth":
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            return buf.getvalue()
+        if last == "npy":
+            buf = io.BytesIO()
+            np.save(buf, np.asarray(value), allow_pickle=False)
+            return buf.getvalue()
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"sample {index}: cannot encode its {ext!r} field: {err}") from err
+    raise TypeError(
+        f"sample {index}: cannot encode a {type(value).__name__} as {ext!r}; pass bytes, or "
+        "use an extension write_shards encodes (an image extension for PIL images, cls, "
+        "txt, json, pth, npy)"
+    )
+
+
+def _encode_image(img: Image.Image, ext: str) -> bytes:
+    fmt = Image.registered_extensions()["." + ext]
+    buf = io.BytesIO()
+    if fmt == "JPEG":
+        if img.mode not in ("RGB", "L", "CMYK"):
+            img = img.convert("RGB")
+        img.save(buf, format=fmt, quality=95)
+    else:
+        img.save(buf, format=fmt)
+    return buf.getvalue()

@@ -20,13 +20,15 @@ What makes them fast and robust:
   the host (see :mod:`dask_ddp.data.cache`), so a second epoch reads local disk.
 
 The code lives in :mod:`dask_ddp.data._files` (FileDataset and its store),
-:mod:`dask_ddp.data._imagefolder` (S3ImageFolder) and :mod:`dask_ddp.data._fsclient`
-(per-process fsspec clients); this module is their public face.
+:mod:`dask_ddp.data._imagefolder` (S3ImageFolder, whose loader :func:`decode_image` is in
+:mod:`dask_ddp.data._decode`) and :mod:`dask_ddp.data._fsclient` (per-process fsspec
+clients); this module is their public face.
 """
 
 from __future__ import annotations
 
+from dask_ddp.data._decode import IMG_EXTENSIONS, decode_image
 from dask_ddp.data._files import FileDataset
-from dask_ddp.data._imagefolder import IMG_EXTENSIONS, S3ImageFolder, decode_image
+from dask_ddp.data._imagefolder import S3ImageFolder
 
 __all__ = ["IMG_EXTENSIONS", "FileDataset", "S3ImageFolder", "decode_image"]

@@ -16,7 +16,7 @@ from dask_ddp.data import (
     FileDataset,
     NoSamplesError,
 )
-from dask_ddp.data._fsclient import _storage_options
+from dask_ddp.data._fsclient import filesystem_options
 
 
 def load_npy(data: bytes) -> np.ndarray:
@@ -125,7 +125,7 @@ def test_bad_urls(arrays: Path):
     ],
 )
 def test_tls_verification_is_skipped_only_without_tls(endpoint, user, verify):
-    options = _storage_options("s3", endpoint, None, user, 10, 8)
+    options = filesystem_options("s3", endpoint, None, user, 10, 8)
     assert options.get("client_kwargs", {}).get("verify") == verify
     if "client_kwargs" in user:
         assert options["client_kwargs"] == user["client_kwargs"]  # the user's, untouched

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 import dask_ddp
-import dask_ddp.data._shard_files as shard_files_module
+import dask_ddp.data._shard_reader as shard_reader_module
 import dask_ddp.data._tar as tar_module
 from dask_ddp.data import (
     CorruptSampleError,
@@ -65,7 +65,7 @@ def cached_shards(cache_dir: Path) -> list[Path]:
 def _default_cache_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Datasets without cache_dir= keep their shard indexes here, not in the real tempdir."""
     monkeypatch.setattr(
-        shard_files_module, "_default_cache_dir", lambda: tmp_path / "default-cache"
+        shard_reader_module, "_default_cache_dir", lambda: tmp_path / "default-cache"
     )
 
 
@@ -536,7 +536,7 @@ def test_dataloader_workers(s3_endpoint, bucket, image_tree, tmp_path, context, 
         endpoint_url=s3_endpoint, cache_dir=tmp_path / "cache",
     )  # fmt: skip
     ds[0]  # the parent opens a shard and a client first: workers must not share them
-    assert ds._open and ds._fs is not None
+    assert (ds.get_stats()["shard_opens"], ds.get_stats()["downloads"]) == (1, 1)
     seen = []
     for rank in range(2):  # rank 0 reads with 2 worker processes, rank 1 in-process
         sampler = DistributedChunkedSampler(ds, num_replicas=2, rank=rank, seed=5)
@@ -649,10 +649,10 @@ def test_pickle_drops_open_files(shard_dir):
     ds = ShardListDataset(shard_dir / "shards.json", keys=("cls",))
     assert ds[6] == (1,)
     copy = pickle.loads(pickle.dumps(ds))
-    assert copy._open == {}
-    assert copy.get_stats()["requested"] == 0
+    assert set(copy.get_stats().values()) == {0}  # a new process's counters
     assert copy[6] == (1,)
-    assert copy._open[1].file is not ds._open[1].file
+    assert copy.get_stats()["shard_opens"] == 1  # nothing open crossed: it opened its own
+    assert ds[6] == (1,) and ds.get_stats()["shard_opens"] == 1  # the original's stays open
 
 
 # -- the sampler ------------------------------------------------------------------------

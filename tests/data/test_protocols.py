@@ -1,11 +1,11 @@
-"""The sampler and a sharded dataset talk through one protocol (data/_protocols.py)."""
+"""The sampler and a sharded dataset talk through one protocol (data/_sampler.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from dask_ddp.data import DistributedChunkedSampler
-from dask_ddp.data._protocols import ShardedDataset
+from dask_ddp.data._sampler import ShardedDataset
 
 
 class _Shards:
