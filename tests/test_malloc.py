@@ -54,8 +54,15 @@ def test_rank_lifts_the_workers_trim_threshold_and_restores_it(client: Client) -
     in_rank = dask_ddp.launch(client, mmapped_by_a_1mib_allocation).result()
     assert in_rank == [{"mmapped": False, "env": None}] * 2
 
+    assert all(client.run(_idle).values())  # the rank's teardown (it frees memory) is over
     after = client.run(mmapped_by_a_1mib_allocation)
     assert after == on_worker
+
+
+def _idle() -> bool:
+    from dask_ddp._slot import PROCESS
+
+    return PROCESS.wait_idle(30)
 
 
 def test_tune_malloc_can_be_switched_off(client: Client) -> None:
