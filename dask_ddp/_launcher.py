@@ -224,6 +224,7 @@ class Launcher:
         """Let the cluster forget the attempt's futures (and the values they hold)."""
         with contextlib.suppress(KeyError, OSError):  # gone already, or the scheduler is closing
             await self.client.unpublish_dataset(attempt.dataset)
+        _dask_internals.drop_published_client(self.scheduler, attempt.dataset)
         for future in attempt.futures:
             future.release()
         attempt.futures, attempt.published = [], False
