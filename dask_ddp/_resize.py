@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from ._slot import PROCESS, RankRun
+from ._slot import RankRun, this_slot
 
 _GROW, _GO = b"grow", b"go"
 
@@ -37,7 +37,7 @@ def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
     """
     key = f"dask-ddp/grow-at-{step}"
     if rank == 0:
-        grow = PROCESS.take_grow_request(run.job_id)
+        grow = this_slot().take_grow_request(run.job_id)
         run.store.set(key, _GROW if grow else _GO)
     else:
         run.store.wait([key], timedelta(seconds=timeout))
