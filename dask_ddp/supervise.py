@@ -302,6 +302,9 @@ class Supervisor:
         submit its ranks; False when the job ended instead (cancelled while it waited)."""
         number = 0 if self.attempt is None else self.attempt.number + 1
         need = self.size.min_workers
+        if self._cancel is not None:  # while the last attempt was being stopped
+            self._transition(JobState.CANCELLED, self._cancel)
+            return False
         while True:
             workers = self.plugin.pool.take(
                 self.job_id, self._candidates(number), want=self.size.max_workers, need=need
