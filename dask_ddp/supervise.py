@@ -568,6 +568,10 @@ class Supervisor:
         if 0 not in a.markers and a.store_worker not in stuck:
             await self.launcher.drop_store(a)  # rank 0 never took it (it never started)
         await self._drain(a, min(self.settings.event_drain_timeout, 1.0))
+        if running:  # a rank stopped before it could say so (queued, or in its rendezvous)
+            stopped = ended_text({"stopped": reason, "failed_rank": end.cause_rank})
+            for rank in running:
+                self.progress.end(rank, stopped)
 
     async def _drain(self, a: Attempt, timeout: float) -> None:
         """Wait up to ``timeout`` for the final markers of the ranks whose task ended."""
