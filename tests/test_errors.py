@@ -31,8 +31,9 @@ def test_no_exception_is_exported_under_two_names() -> None:
 def test_each_outcome_of_a_job_is_one_class_to_catch() -> None:
     # what a caller of job.result() decides on
     infrastructure = {
-        "InfrastructureError", "NoWorkersError", "WorkerBusyError", "RendezvousTimeoutError", "WorkerLostError",
-        "ScaleTimeoutError", "TooManyResizesError", "ChannelError", "SchedulerPluginError",
+        "InfrastructureError", "NoWorkersError", "WorkerBusyError", "RendezvousTimeoutError",
+        "WorkerLostError", "ScaleTimeoutError", "TooManyResizesError", "ChannelError",
+        "SchedulerPluginError",
         "SampleFetchError", "StorageAccessError", "DatasetPartitionLostError",
     }  # fmt: skip
     for name, cls in _public_exceptions().items():
