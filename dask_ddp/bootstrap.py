@@ -381,7 +381,8 @@ _STAGES = ("joined", "initialised")
 
 
 def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
-    """Wake every rank of a job that waits in :func:`_rendezvous`, marked as aborted.
+    """Wake every rank of a job that waits in :func:`_rendezvous` or for rank 0's word at a
+    checkpoint (:func:`dask_ddp._resize.at_checkpoint`), marked as aborted.
 
     A thread inside the C++ ``store.wait`` cannot take the asynchronous exception that
     :func:`abort_rank` raises; without this a cancelled job's ranks would wait out the
@@ -393,6 +394,7 @@ def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
         store = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=timeout))
         for stage in _STAGES:
             store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
+        _resize.release_waiters(store, _ABORTED)  # or at a checkpoint of an elastic job
     except Exception:  # the store is gone: nobody waits on it
         logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
 
