@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 
 import psutil
 import torch
-from _common import command_line, median, versions
+from _common import command_line, median, start_cluster, versions
 from distributed import Client
 
 import dask_ddp
@@ -48,27 +46,6 @@ def short_job(records: int) -> int:
         dask_ddp.report({"loss": 1.0 / (step + 1), "lr": 0.1}, step=step)
     dask_ddp.save_checkpoint({"weights": torch.ones(16), "step": records}, step=records)
     return ctx.rank
-
-
-def _start_cluster(tmp: str) -> tuple[str, list[subprocess.Popen]]:
-    sched_file = os.path.join(tmp, "scheduler.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "dask", "scheduler", "--scheduler-file", sched_file,
-         "--port", "0", "--dashboard-address", ":0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
-    workers = subprocess.Popen(
-        [sys.executable, "-m", "dask", "worker", "--scheduler-file", sched_file,
-         "--nworkers", str(WORLD), "--nthreads", "1", "--no-dashboard"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not os.path.exists(sched_file):  # written once the scheduler listens
-        if time.monotonic() > deadline:
-            raise RuntimeError("the scheduler did not start")
-        time.sleep(0.1)
-    return sched_file, [workers, scheduler]
 
 
 def _prefixes(dask_scheduler=None) -> list[str]:
@@ -107,7 +84,7 @@ def main() -> None:
     times: list[float] = []
     lost = failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        sched_file, procs = _start_cluster(tmp)
+        sched_file, procs = start_cluster(tmp, WORLD)
         try:
             with Client(scheduler_file=sched_file) as client:
                 client.wait_for_workers(WORLD, timeout="120s")
