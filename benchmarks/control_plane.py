@@ -237,16 +237,18 @@ def measure(
     window: float = 10.0,
     store_processes: int = 4,
     resolver: dict[str, str] | None = None,
+    page: bool = True,
 ) -> Result:
     """Run one job of ``ranks`` simulated ranks on a fresh cluster; measure it.
-    ``resolver``: environment for the processes (default :data:`QUICK_RESOLVER`)."""
+    ``resolver``: environment for the processes (default :data:`QUICK_RESOLVER`);
+    ``page``: read the job's ``/ddp/`` JSON once during the window, as an open page would."""
     resolver = QUICK_RESOLVER if resolver is None else resolver
     out = Result(ranks)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(ranks, processes, tmp, resolver)
         try:
             out.cluster_start = cluster.started_in
-            _run_job(cluster, out, tmp, period=period, settle=settle, window=window)
+            _run_job(cluster, out, tmp, period=period, settle=settle, window=window, page=page)
         finally:
             cluster.close()
     if store_processes:
@@ -256,7 +258,14 @@ def measure(
 
 
 def _run_job(
-    cluster: Cluster, out: Result, tmp: str, *, period: float, settle: float, window: float
+    cluster: Cluster,
+    out: Result,
+    tmp: str,
+    *,
+    period: float,
+    settle: float,
+    window: float,
+    page: bool,
 ) -> None:
     client, ranks = cluster.client, out.ranks
     procs = cluster.pids()
@@ -290,7 +299,8 @@ def _run_job(
     w0 = time.time()
     arrivals.window = (w0, w0 + window)
     time.sleep(window / 2)
-    out.page_ms, out.page_kb = _page(cluster, job.job_id)  # as an open /ddp/ page would
+    if page:
+        out.page_ms, out.page_kb = _page(cluster, job.job_id)  # as an open /ddp/ page would
     time.sleep(max(0.0, w0 + window - time.time()))
     elapsed = time.time() - w0
     cpu1 = {k: _cpu(v) for k, v in procs.items()}
@@ -451,6 +461,9 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=10.0, help="seconds measured")
     parser.add_argument("--store-processes", type=int, default=4)
     parser.add_argument(
+        "--no-page", action="store_true", help="do not read the job's /ddp/ JSON in the window"
+    )
+    parser.add_argument(
         "--resolver-as-is", action="store_true",
         help="run the cluster with this machine's resolver settings (default: timeout 1 s)",
     )  # fmt: skip
@@ -467,6 +480,7 @@ def main() -> None:
                 window=args.window,
                 store_processes=args.store_processes,
                 resolver=resolver,
+                page=not args.no_page,
             )
         )
         print(f"  {n} ranks measured in {time.monotonic() - t0:.0f} s", flush=True)
