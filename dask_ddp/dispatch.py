@@ -358,9 +358,9 @@ def _launch(
     model = JobModel(job_id, spec.name)
     model.total_steps = total_steps
     reader = EventReader(client, model, on_report=on_report, on_output=on_output)
-    reader.follow()  # the cluster subscribes this client too, before any rank reports
     try:
-        state = _plugin.submit_job(client, spec)
+        # The cluster subscribes this client too, before any rank reports.
+        state = _plugin.submit_job(client, spec, reader.follow)
     except BaseException:
         reader.stop()
         if persisted is not None:
