@@ -482,7 +482,7 @@ class Saver:
             except Exception as exc:  # raised in the rank's thread at its next save
                 error = CheckpointUploadError(
                     self.rank, write.step, write.pending.url,
-                    f"{type(exc).__name__}: {exc}", self._durable,
+                    f"{type(exc).__name__}: {exc}", self._latest(write.world_size),
                 )  # fmt: skip
                 error.__cause__ = exc
                 logger.warning("%s", error)
@@ -493,6 +493,22 @@ class Saver:
                 with self._cond:
                     self._inflight = None
                     self._cond.notify_all()
+
+    def _latest(self, world: int | None) -> int | None:
+        """The newest durable checkpoint's step, for a failure's message: what the store
+        lists (it may hold some from before this run), else the last this rank wrote."""
+        settings = self.settings
+        try:
+            if world is None:
+                steps = [s for s, _ in checkpoint.list_checkpoints(
+                    settings.directory, settings.storage_options
+                )]  # fmt: skip
+            else:
+                complete = checkpoint.complete_shards(settings.directory, settings.storage_options)
+                steps = [s for s, w, _ in complete if w == world]
+        except OSError:  # the store cannot be listed either
+            return self._durable
+        return max(steps, default=self._durable)
 
     def _check(self) -> None:
         if self._stop.is_set():
@@ -516,6 +532,7 @@ class Saver:
             world_size=write.world_size,
             storage_options=settings.storage_options,
             check=self._check,
+            makedirs=self._durable is None,
         )
         self._durable = write.step
         self._prune(write.world_size)
@@ -526,6 +543,7 @@ class Saver:
         self._tell(info)
         write.pending.landed(info)
         self._replicate(write, data)
+        write.pending.settled()
 
     def _prune(self, world: int | None) -> None:
         keep = self.settings.keep_last
@@ -561,7 +579,7 @@ class Saver:
             why = self._peer.put(
                 holder, writer, write.world_size, write.step, data, self.settings.replica_fraction
             )
-        except (OSError, TimeoutError) as exc:  # the holder left: the store copy stays
+        except Exception as exc:  # best effort: the holder left, or refused; the store copy stays
             why = f"{type(exc).__name__}: {exc}"
         if why is None:
             self._say(events.REPLICA, [write.step, holder, write.world_size, len(data)])

@@ -577,7 +577,7 @@ def _checkpointing(
 
     def announce(kind: str, body: list[Any]) -> None:
         if channel is not None:
-            channel.put(kind, body, "save_checkpoint")
+            channel.put(kind, body, "save_checkpoint", urgent=True)
 
     peer = _replicas.PeerLink(worker, settings.job)
     saver = _saving.Saver(

@@ -120,8 +120,9 @@ class PendingCheckpoint:
 
     It becomes durable (and visible to :func:`dask_ddp.get_checkpoint`,
     ``Job.checkpoints`` and ``keep_last``) in the background, after every checkpoint saved
-    before it. There is no need to wait for it: the next ``save_checkpoint()`` and the end
-    of the training function raise if it failed.
+    before it, and is then kept in another worker's memory too. There is no need to wait
+    for it: the next ``save_checkpoint()`` and the end of the training function raise if
+    it failed.
 
     Attributes
     ----------
@@ -147,11 +148,12 @@ class PendingCheckpoint:
         self.error_seen = False  # the error reached the user (wait() raised it)
 
     def done(self) -> bool:
-        """Whether it is durable, or failed."""
+        """Whether its save is over: durable (and replicated, with replicas on), or failed."""
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
-        """Wait until it is durable and return where it landed.
+        """Wait until its save is over (durable, and kept in the replica holder's memory
+        when replicas are on) and return where it landed.
 
         Raises
         ------
@@ -176,9 +178,17 @@ class PendingCheckpoint:
         """Why writing it failed, once it did."""
         return self._error
 
+    @property
+    def info(self) -> CheckpointInfo | None:
+        """Where it landed, once it is durable (before :meth:`done`, with a replica to keep)."""
+        return self._info
+
     def landed(self, info: CheckpointInfo) -> None:
         """It is durable (called by the writer)."""
         self._info = info
+
+    def settled(self) -> None:
+        """Its save is over (called by the writer, after :meth:`landed`)."""
         self._done.set()
 
     def failed(self, error: BaseException) -> None:
@@ -376,11 +386,13 @@ def write_bytes(
     storage_options: Mapping[str, Any] | None = None,
     check: Callable[[], None] | None = None,
     chunk: int = 16 * 2**20,
+    makedirs: bool = True,
 ) -> tuple[str, int]:
     """Write a serialised checkpoint (``torch.save``'s bytes) atomically; return (url, bytes).
 
     ``check`` is called before each ``chunk`` bytes: what it raises gives the write up,
-    and nothing of it is visible.
+    and nothing of it is visible. ``makedirs=False`` skips making ``directory`` (a round
+    trip on an object store), once a write there made it.
 
     >>> import tempfile
     >>> url, n = write_bytes(b"abc", tempfile.mkdtemp(), step=2, rank=0, world_size=2)
@@ -389,7 +401,8 @@ def write_bytes(
     """
     _check_step(step, None)
     fs, root = _fs(directory, storage_options)
-    fs.makedirs(root, exist_ok=True)
+    if makedirs:
+        fs.makedirs(root, exist_ok=True)
     final = f"{root.rstrip('/')}/{file_name(step, rank, world_size)}"
     view = memoryview(data).cast("B")
     with _atomic_file(fs, final) as f:

@@ -226,8 +226,12 @@ class RankChannel:
         self._thread.start()
         _channels.add(self)
 
-    def put(self, kind: str, body: list[Any], caller: str = "report") -> None:
-        """Queue one message; returns at once. Any thread may call it.
+    def put(
+        self, kind: str, body: list[Any], caller: str = "report", *, urgent: bool = False
+    ) -> None:
+        """Queue one message; returns at once. Any thread may call it. An ``urgent`` one
+        (a checkpoint that landed: a restart depends on the supervisor knowing it) is sent
+        at once, with what else is buffered.
 
         Raises
         ------
@@ -245,7 +249,7 @@ class RankChannel:
             n = len(self._buffer)
             if n == 1:
                 self._wake.set()
-            elif n == self._full:
+            if n == self._full or urgent:
                 self._urgent.set()
 
     def put_status(self, phase: str | None, detail: str = "") -> None:
