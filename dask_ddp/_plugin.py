@@ -196,19 +196,28 @@ class DaskDDPPlugin(SchedulerPlugin):
             forgetting.add_done_callback(self._forgetting.discard)
 
     # -- what clients ask of it ----------------------------------------------------------
+    def _check_name(self, spec: JobSpec) -> None:
+        """A name given by the user names one running job at a time."""
+        for job in self.jobs.values():
+            if spec.named and job.spec.name == spec.name and not job.state.final:
+                raise JobNameTakenError(spec.name, job.job_id)
+
     async def launch(self, spec: JobSpec) -> dict[str, Any]:
         """Take a job; answer once it runs or waits for workers (its first placement's error,
         if it cannot be placed at all, is raised to the launching client)."""
         await self.ready()
-        for job in self.jobs.values():
-            if job.spec.name == spec.name and spec.named and not job.state.final:
-                raise JobNameTakenError(spec.name, job.job_id)
+        self._check_name(spec)
         size, spec = self._size(spec)
         datasets = None
         if spec.datasets:
             from .data._collection_plan import Datasets
 
             datasets = await Datasets.take(self.client, spec)
+            try:  # another launch may have taken the name while this one waited
+                self._check_name(spec)
+            except JobNameTakenError:
+                await datasets.release(self.client)
+                raise
         job = Supervisor(self, spec, size, datasets)
         self.jobs[spec.job_id] = job
         self._topics[job.topic] = job

@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointShardsError",
     "CheckpointUploadError",
     "DaskDDPError",
+    "InfrastructureError",
     "JobCancelledError",
     "JobNameTakenError",
     "JobNotFoundError",
@@ -24,9 +25,7 @@ __all__ = [
     "NoWorkersError",
     "NotInRankError",
     "NotPicklableError",
-    "PeerFailedError",
     "PlacementError",
-    "RankAbortedError",
     "RankFailedError",
     "RankStoppedError",
     "RendezvousTimeoutError",
@@ -51,7 +50,25 @@ class DaskDDPError(Exception):
     """
 
 
-class NoWorkersError(DaskDDPError, RuntimeError):
+class InfrastructureError(DaskDDPError):
+    """What runs the job failed it, not the job's code: a worker left, ranks or the job
+    timed out waiting for each other or for workers, the scheduler or the storage could not
+    be reached. One class for that decision: catch it to retry on a healthier cluster (the
+    subclasses say which part failed, with their fields; built-in bases such as
+    ``TimeoutError`` and ``OSError`` stay where they fit).
+
+    Examples
+    --------
+    >>> issubclass(WorkerLostError, InfrastructureError)
+    True
+    >>> try:                                             # doctest: +SKIP
+    ...     job.result()
+    ... except dask_ddp.InfrastructureError:
+    ...     job = dask_ddp.launch(client, train, checkpoint_dir=...)  # again, from checkpoints
+    """
+
+
+class NoWorkersError(InfrastructureError, RuntimeError):
     """The cluster has no workers to place ranks on.
 
     Examples
@@ -131,7 +148,7 @@ class BackendUnavailableError(DaskDDPError, ValueError):
         )
 
 
-class WorkerBusyError(DaskDDPError, RuntimeError):
+class WorkerBusyError(InfrastructureError, RuntimeError):
     """A worker process stayed busy with another job's rank for the whole rendezvous timeout.
 
     Examples
@@ -153,7 +170,7 @@ class WorkerBusyError(DaskDDPError, RuntimeError):
         )
 
 
-class RendezvousTimeoutError(DaskDDPError, TimeoutError):
+class RendezvousTimeoutError(InfrastructureError, TimeoutError):
     """Not every rank joined the process group in time.
 
     Examples
@@ -218,7 +235,7 @@ class RankFailedError(DaskDDPError):
         return text
 
 
-class WorkerLostError(DaskDDPError):
+class WorkerLostError(InfrastructureError):
     """A rank's worker left the cluster while the rank ran (or, ``finished=True``, after it
     finished, taking the rank's return value along). Raised on the client.
 
@@ -254,9 +271,6 @@ class RankStoppedError(DaskDDPError):
     (``failed_rank``), or the client stopped the job (cancelled, or stopping it after a
     failure). Its futures raise it; ``job.result()`` raises the first failure instead.
 
-    ``PeerFailedError`` and ``RankAbortedError`` are the same class, under the names of
-    the two cases it used to be split into.
-
     Parameters
     ----------
     rank : int
@@ -286,7 +300,7 @@ class RankStoppedError(DaskDDPError):
 
     @property
     def cause(self) -> str:
-        """The failed rank's error, as ``PeerFailedError.cause`` was."""
+        """The failed rank's error (``reason``, under the name ``RankFailedError`` uses)."""
         return self.reason
 
     def __str__(self) -> str:
@@ -304,11 +318,7 @@ class RankStoppedError(DaskDDPError):
         )
 
 
-#: A rank stopped because another rank failed first (the name of that case).
-PeerFailedError = RankStoppedError
-
-
-class ScaleTimeoutError(DaskDDPError, TimeoutError):
+class ScaleTimeoutError(InfrastructureError, TimeoutError):
     """A job waited longer than ``ddp.scale-timeout`` for the workers it needs.
 
     Examples
@@ -373,7 +383,7 @@ class CheckpointDirMissingError(DaskDDPError, RuntimeError):
         )
 
 
-class CheckpointUploadError(DaskDDPError, OSError):
+class CheckpointUploadError(InfrastructureError, OSError):
     """An asynchronous checkpoint could not be written; raised on the rank that saved it,
     at its next ``save_checkpoint()`` or when its function ends.
 
@@ -431,10 +441,6 @@ class CheckpointShardsError(DaskDDPError, ValueError):
         )
 
 
-#: A rank the client stopped (the name of that case).
-RankAbortedError = RankStoppedError
-
-
 class JobCancelledError(DaskDDPError):
     """``Job.result()`` was called on a job that was cancelled.
 
@@ -452,7 +458,7 @@ class JobCancelledError(DaskDDPError):
         return f"job {self.job} was cancelled ({self.reason}); launch it again to get a result"
 
 
-class TooManyResizesError(DaskDDPError, RuntimeError):
+class TooManyResizesError(InfrastructureError, RuntimeError):
     """An elastic job resized more often than ``ddp.max-resizes`` allows in an hour.
 
     Examples
@@ -518,7 +524,7 @@ class NotInRankError(DaskDDPError, RuntimeError):
         )
 
 
-class ChannelError(DaskDDPError, RuntimeError):
+class ChannelError(InfrastructureError, RuntimeError):
     """A rank could not send its messages (``report()``, ``submit_result()``) to the client.
 
     Examples
@@ -608,7 +614,7 @@ class JobNotFoundError(DaskDDPError, LookupError):
         )
 
 
-class SchedulerPluginError(DaskDDPError, RuntimeError):
+class SchedulerPluginError(InfrastructureError, RuntimeError):
     """The cluster's scheduler did not take dask-ddp's plugin, which runs every job there.
 
     Examples

@@ -417,8 +417,18 @@ class Job:
         with self._model.cond:
             return self._model.cond.wait_for(lambda: self._model.closed, timeout)
 
-    def _take_results(self, key: str) -> Iterator[tuple[int, str, Any]]:
-        """Pop results sent with ``key`` as they arrive, until the job's channel closes."""
+    def iter_results(self, key: str) -> Iterator[tuple[int, str, Any]]:
+        """``(rank, path, data)`` of each result the ranks sent with
+        :meth:`DaskResultsHandler.submit_result <dask_ddp.results.DaskResultsHandler.submit_result>`
+        under ``key`` (the handler's ``pub_sub_key``), each handed out once, as they arrive,
+        until the job has stopped. :meth:`~dask_ddp.results.DaskResultsHandler.process_results`
+        writes them to files.
+
+        Examples
+        --------
+        >>> for rank, path, data in job.iter_results(handler.pub_sub_key):  # doctest: +SKIP
+        ...     print(rank, path, len(data))
+        """
         return self._model.take_results(key)
 
     def __repr__(self) -> str:

@@ -205,7 +205,7 @@ class DaskResultsHandler:
         root = Path(prefix)
         root.mkdir(parents=True, exist_ok=True)
         written = 0
-        for rank, path, data in job._take_results(self.pub_sub_key):
+        for rank, path, data in job.iter_results(self.pub_sub_key):
             try:
                 target = _safe_target(root, path)
             except UnsafeResultPathError:

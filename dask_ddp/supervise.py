@@ -346,6 +346,9 @@ class Supervisor:
         submit its ranks; False when the job ended instead (cancelled while it waited)."""
         number = 0 if self.attempt is None else self.attempt.number + 1
         need = self.size.min_workers
+        if self._cancel is not None:  # while the last attempt was being stopped
+            self._transition(JobState.CANCELLED, self._cancel)
+            return False
         while True:
             workers = self.plugin.pool.take(
                 self.job_id, self._candidates(number), want=self.size.max_workers, need=need
@@ -630,6 +633,10 @@ class Supervisor:
         if 0 not in a.markers and a.store_worker not in stuck:
             await self.launcher.drop_store(a)  # rank 0 never took it (it never started)
         await self._drain(a, min(self.settings.event_drain_timeout, 1.0))
+        if running:  # a rank stopped before it could say so (queued, or in its rendezvous)
+            stopped = ended_text({"stopped": reason, "failed_rank": end.cause_rank})
+            for rank in running:
+                self.progress.end(rank, stopped)
 
     async def _drain(self, a: Attempt, timeout: float) -> None:
         """Wait up to ``timeout`` for the final markers of the ranks whose task ended."""

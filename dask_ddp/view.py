@@ -28,7 +28,7 @@ _SMOOTHING = 0.6  # the weight TensorBoard's smoothing slider starts at
 _LOG_SPAN = 100.0  # a metric spanning more than two decades is drawn on a log axis
 
 
-def _smoothed(ys: list[float]) -> list[float]:
+def smoothed(ys: list[float]) -> list[float]:
     """TensorBoard's smoothing: an exponential moving average, debiased at the start."""
     out, last = [], 0.0
     for n, y in enumerate(ys, start=1):
@@ -51,7 +51,7 @@ def _y_axis(ys: list[float]) -> tuple[Callable[[float], float], list[float], boo
     return (lambda y: (y - lo) / (hi - lo)), ticks, False
 
 
-def _svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
+def svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
     """``metric`` per rank as an inline SVG chart: raw line faint, smoothed line over it,
     ticks and a legend, a log y axis when the values span more than two decades. Text
     and axes take the surrounding text colour, so light and dark themes both read."""
@@ -83,7 +83,7 @@ def _svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
     for i, r in enumerate(curves):
         color = _COLORS[r["rank"] % len(_COLORS)]
         steps, values = [x for x, _ in r["curve"]], [y for _, y in r["curve"]]
-        for line, extra in ((values, ' stroke-opacity="0.3"'), (_smoothed(values), "")):
+        for line, extra in ((values, ' stroke-opacity="0.3"'), (smoothed(values), "")):
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(steps, line, strict=True))
             parts.append(
                 f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{extra} '
@@ -229,7 +229,7 @@ def render_html(snap: dict[str, Any]) -> str:
     return (
         f"<div>{_title(snap)}<table><tr><th>rank</th><th>worker</th><th>status</th>"
         f"<th>progress</th><th>latest</th></tr>{rows}</table>"
-        f"{_svg_curve(snap['ranks'], snap['metric'])}{_output_html(snap)}{_errors_html(snap)}"
+        f"{svg_curve(snap['ranks'], snap['metric'])}{_output_html(snap)}{_errors_html(snap)}"
         "</div>"
     )
 
@@ -242,9 +242,9 @@ class WidgetView:
 
         self._widgets = widgets
         self._title = widgets.HTML()
-        self._bars: list[Any] = []
-        self._labels: list[Any] = []
-        self._plot = widgets.HTML()
+        self.bars: list[Any] = []
+        self.labels: list[Any] = []
+        self.plot = widgets.HTML()
         self._errors = widgets.HTML()
         self._output = widgets.HTML()
         self.widget = widgets.VBox()
@@ -256,12 +256,12 @@ class WidgetView:
         """One bar per rank: an elastic job's number of ranks changes between attempts
         (and is 0 while it waits for workers)."""
         w = self._widgets
-        self._bars = [
+        self.bars = [
             w.IntProgress(value=0, min=0, max=1, description=f"rank {r}") for r in range(world_size)
         ]
-        self._labels = [w.HTML() for _ in range(world_size)]
-        rows = [w.HBox([b, t]) for b, t in zip(self._bars, self._labels, strict=True)]
-        self.widget.children = [self._title, *rows, self._plot, self._output, self._errors]
+        self.labels = [w.HTML() for _ in range(world_size)]
+        rows = [w.HBox([b, t]) for b, t in zip(self.bars, self.labels, strict=True)]
+        self.widget.children = [self._title, *rows, self.plot, self._output, self._errors]
 
     def show(self, display: Callable[..., Any], snap: dict[str, Any]) -> None:
         self.update(snap)
@@ -277,16 +277,16 @@ class WidgetView:
             self._final = True  # the output keeps a copy of the final state, once
             self._handle.update(self._bundle(snap), raw=True)
         self._title.value = _title(snap)
-        if len(snap["ranks"]) != len(self._bars):
+        if len(snap["ranks"]) != len(self.bars):
             self._resize(len(snap["ranks"]))
-        shown = zip(self._bars, self._labels, snap["ranks"], _bars(snap), strict=True)
+        shown = zip(self.bars, self.labels, snap["ranks"], _bars(snap), strict=True)
         for bar, label, r, (value, top) in shown:
             bar.max, bar.value = top, value  # max first: value never exceeds it
             bar.bar_style = _bar_style(r, snap)
             label.value = _rank_text(r, snap)
-        plot = _svg_curve(snap["ranks"], snap["metric"])
-        if plot != self._plot.value:
-            self._plot.value = plot
+        plot = svg_curve(snap["ranks"], snap["metric"])
+        if plot != self.plot.value:
+            self.plot.value = plot
         output = _output_html(snap)
         if output != self._output.value:
             self._output.value = output

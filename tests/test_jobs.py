@@ -146,14 +146,19 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(a[key], b[key])
 
 
-@pytest.mark.slow
-def test_a_job_outlives_its_client_and_any_client_attaches(tcp_cluster, tmp_path: Path) -> None:
-    with Client(tcp_cluster) as client:
+def _uninterrupted(cluster: LocalCluster, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
+    """What the training function returns when nothing interrupts it."""
+    with Client(cluster) as client:
         client.wait_for_workers(2, timeout=60)
-        reference = dask_ddp.launch(
+        return dask_ddp.launch(
             client, _train_function(), args=(150, 0.0), checkpoint_dir=str(tmp_path / "ref")
         ).result(timeout=120)
 
+
+@pytest.mark.slow
+def test_a_job_outlives_its_client_and_any_client_attaches(tcp_cluster, tmp_path: Path) -> None:
+    reference = _uninterrupted(tcp_cluster, tmp_path)
+    with Client(tcp_cluster) as client:
         proc, job_id = _launch_elsewhere(tcp_cluster, tmp_path, "nightly")
         _wait(lambda: min(r["step"] or 0 for r in _page(tcp_cluster, job_id)["ranks"]) >= 15)
         proc.kill()  # SIGKILL: the kernel dies mid-training
@@ -193,11 +198,7 @@ def test_a_job_outlives_its_client_and_any_client_attaches(tcp_cluster, tmp_path
 
 @pytest.mark.slow
 def test_a_detached_job_runs_to_its_end_with_no_client(tcp_cluster, tmp_path: Path) -> None:
-    with Client(tcp_cluster) as client:
-        client.wait_for_workers(2, timeout=60)
-        reference = dask_ddp.launch(
-            client, _train_function(), args=(150, 0.0), checkpoint_dir=str(tmp_path / "ref")
-        ).result(timeout=120)
+    reference = _uninterrupted(tcp_cluster, tmp_path)
     # No client at all for 30 s: the launching one exits, this test's closed above.
     proc, job_id = _launch_elsewhere(
         tcp_cluster, tmp_path, "detached", detach=True, orphan_timeout="1s"

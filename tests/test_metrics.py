@@ -333,11 +333,11 @@ def test_live_view_shows_progress_curve_and_errors(client: Client) -> None:
     view.update(snap)
     assert snap["metric"] == "loss"
     assert [r["step"] for r in snap["ranks"]] == [199, 199]
-    assert view._bars[0].value == 200 and view._bars[0].max == 200  # steps 0..199 done
-    assert view._bars[1].bar_style == "danger"
-    assert "<polyline" in view._plot.value and "loss" in view._plot.value
+    assert view.bars[0].value == 200 and view.bars[0].max == 200  # steps 0..199 done
+    assert view.bars[1].bar_style == "danger"
+    assert "<polyline" in view.plot.value and "loss" in view.plot.value
     assert "rank 1 gave up" in view._errors.value
-    assert "step 199" in view._labels[0].value
+    assert "step 199" in view.labels[0].value
     page = render_html(snap)
     assert "<svg" in page and "rank 1 gave up" in page and "<progress" in page
     assert "r0 step 199" in progress_line(snap)
@@ -379,11 +379,11 @@ def test_live_view_in_a_notebook(cluster: LocalCluster) -> None:
             cell(
                 "view = job._model.views[-1]  # the widget the cell above displayed\n"
                 "updates = []\n"
-                "view._plot.observe(lambda ch: updates.append(job.done()), 'value')\n"
+                "view.plot.observe(lambda ch: updates.append(job.done()), 'value')\n"
                 "print(job.result(timeout=120))\n"
                 "print('updates while running:', updates.count(False))\n"
-                "print('bars:', [b.value for b in view._bars])\n"
-                "print('curve:', '<polyline' in view._plot.value)"
+                "print('bars:', [b.value for b in view.bars])\n"
+                "print('curve:', '<polyline' in view.plot.value)"
             ),
         ]
     )
@@ -453,21 +453,21 @@ def test_the_curve_reads_a_loss_that_falls_five_decades() -> None:
         {"rank": r, "curve": [(s, (2.3 - r / 10) * math.exp(-s / 15)) for s in range(200)]}
         for r in (0, 1)
     ]
-    svg = view._svg_curve(ranks, "loss")
+    svg = view.svg_curve(ranks, "loss")
     assert "loss (log scale)" in svg  # 2.3 down to 4e-06
     assert ">1e-06<" in svg and ">0.01<" in svg and ">1<" in svg  # decades as ticks
     assert ">rank 0<" in svg and ">rank 1<" in svg  # a legend
     assert svg.count("<polyline") == 4  # raw (faint) and smoothed, per rank
     assert 'fill="currentColor"' in svg  # text follows the notebook's theme
     flat = [{"rank": 0, "curve": [(s, 1.0 - s / 100) for s in range(50)]}]
-    assert "log scale" not in view._svg_curve(flat, "acc")
+    assert "log scale" not in view.svg_curve(flat, "acc")
 
 
 def test_smoothing_is_tensorboards() -> None:
     from dask_ddp import view
 
-    assert view._smoothed([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # debiased
-    assert view._smoothed([0.0, 10.0]) == pytest.approx([0.0, 6.25])
+    assert view.smoothed([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # debiased
+    assert view.smoothed([0.0, 10.0]) == pytest.approx([0.0, 6.25])
 
 
 def test_the_widget_follows_a_job_that_changes_size() -> None:
@@ -480,7 +480,7 @@ def test_the_widget_follows_a_job_that_changes_size() -> None:
         workers = [f"tcp://w:{r}" for r in range(size)]
         model.apply_state(_state("3f2a", version, "running", workers, attempt=version - 1))
         view.update(model.snapshot())
-        assert len(view._bars) == size and len(view.widget.children) == size + 4
+        assert len(view.bars) == size and len(view.widget.children) == size + 4
 
 
 def _count_steps(steps: int) -> int:

@@ -18,15 +18,10 @@ host-local disk cache (``cache_dir=``). See ``docs/data.md``.
 
 from dask_ddp.data._errors import (
     CorruptDataError,
-    CorruptSampleError,
-    CorruptShardError,
     DataNotFoundError,
     MissingFieldError,
-    NoSamplesError,
     SampleFetchError,
-    ShardCountError,
     ShardListError,
-    ShardNotFoundError,
     StorageAccessError,
 )
 from dask_ddp.data.cache import LocalCache
@@ -52,8 +47,6 @@ __all__ = [
     "IMG_EXTENSIONS",
     "CollectionSource",
     "CorruptDataError",
-    "CorruptSampleError",
-    "CorruptShardError",
     "DataNotFoundError",
     "DatasetComputeError",
     "DatasetNotFoundError",
@@ -64,13 +57,10 @@ __all__ = [
     "FileDataset",
     "LocalCache",
     "MissingFieldError",
-    "NoSamplesError",
     "S3ImageFolder",
     "SampleFetchError",
-    "ShardCountError",
     "ShardListDataset",
     "ShardListError",
-    "ShardNotFoundError",
     "StorageAccessError",
     "UnsupportedCollectionError",
     "decode_image",

@@ -16,23 +16,18 @@ from typing import Any, Literal
 
 from dask.utils import parse_bytes
 
-from dask_ddp.errors import DaskDDPError
+from dask_ddp.errors import DaskDDPError, InfrastructureError
 
 __all__ = [
     "CorruptDataError",
-    "CorruptSampleError",
-    "CorruptShardError",
     "DataNotFoundError",
     "DatasetComputeError",
     "DatasetNotFoundError",
     "DatasetPartitionLostError",
     "DatasetTooSmallError",
     "MissingFieldError",
-    "NoSamplesError",
     "SampleFetchError",
-    "ShardCountError",
     "ShardListError",
-    "ShardNotFoundError",
     "StorageAccessError",
     "UnsupportedCollectionError",
 ]
@@ -41,9 +36,6 @@ __all__ = [
 class DataNotFoundError(DaskDDPError, FileNotFoundError):
     """The data a dataset was built on is not there: a bucket, prefix or path that does not
     exist or holds no sample it accepts, or a shard that its shard list names.
-
-    ``NoSamplesError`` and ``ShardNotFoundError`` are this class, under the names of those
-    cases.
 
     Parameters
     ----------
@@ -75,7 +67,7 @@ class DataNotFoundError(DaskDDPError, FileNotFoundError):
 
     @property
     def source(self) -> str | None:
-        """The shard list that names a missing shard (``ShardNotFoundError.source``)."""
+        """The shard list that names a missing shard (as ``listed_in``)."""
         return self.listed_in
 
     @property
@@ -91,20 +83,10 @@ class DataNotFoundError(DaskDDPError, FileNotFoundError):
         return f"cannot build a dataset from {self.url}: {self.reason}"
 
 
-#: Objects exist under the URL, but none is a sample the dataset accepts.
-NoSamplesError = DataNotFoundError
-
-#: A shard named in the shard list does not exist.
-ShardNotFoundError = DataNotFoundError
-
-
 class CorruptDataError(DaskDDPError, ValueError):
     """Data was read but is not what it should be: a sample its decoder cannot decode, a
     shard that is not a readable tar file, or a shard holding another number of samples
     than its shard list says.
-
-    ``CorruptSampleError``, ``CorruptShardError`` and ``ShardCountError`` are this class,
-    under the names of those cases.
 
     Parameters
     ----------
@@ -175,17 +157,7 @@ def _rebuild_corrupt(url: str, cause: str, what: str, fields: dict[str, Any]) ->
     return CorruptDataError(url, cause, what, **fields)
 
 
-#: A sample that its decoder could not decode.
-CorruptSampleError = CorruptDataError
-
-#: A shard that is not a readable, uncompressed tar file.
-CorruptShardError = CorruptDataError
-
-#: A shard holding a different number of samples than its shard list says.
-ShardCountError = CorruptDataError
-
-
-class SampleFetchError(DaskDDPError, OSError):
+class SampleFetchError(InfrastructureError, OSError):
     """Reading a sample's bytes failed, after the transient errors were retried.
 
     Parameters
@@ -220,7 +192,7 @@ class SampleFetchError(DaskDDPError, OSError):
 StorageProblem = Literal["unreachable", "credentials"]
 
 
-class StorageAccessError(DaskDDPError, OSError):
+class StorageAccessError(InfrastructureError, OSError):
     """The store cannot be used at all: its endpoint refuses or cannot be reached, or no
     credentials were found to sign requests to it. Raised at the first request, after a
     few quick attempts for a refused connection (other transient errors keep their
@@ -398,7 +370,7 @@ class DatasetComputeError(DaskDDPError, RuntimeError):
         )
 
 
-class DatasetPartitionLostError(DaskDDPError, RuntimeError):
+class DatasetPartitionLostError(InfrastructureError, RuntimeError):
     """A dataset's partition is no longer anywhere in the cluster and cannot be recomputed.
 
     Raised on a rank when it fetches the partition, or on the client when a restart plans
@@ -506,7 +478,7 @@ class CorruptSamples:
     ``log``, the dataset module's logger.
 
     >>> bad = CorruptSamples(logging.getLogger("dask_ddp.data.s3"))
-    >>> bad.mark(1, CorruptSampleError("s3://b/1.jpg", "truncated"), Counter())
+    >>> bad.mark(1, CorruptDataError("s3://b/1.jpg", "truncated"), Counter())
     >>> 1 in bad, bad.next_readable(0, 3, "s3://b")
     (True, 2)
     """
@@ -536,4 +508,4 @@ class CorruptSamples:
             j = (index + step) % n
             if j not in self._indices:
                 return j
-        raise NoSamplesError(source, f"all {n} samples failed to decode")
+        raise DataNotFoundError(source, f"all {n} samples failed to decode")

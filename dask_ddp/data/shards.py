@@ -186,10 +186,10 @@ class ShardListDataset(Dataset):
         The shard list is malformed.
     DataNotFoundError
         The shard list's JSON file does not exist. (A missing shard is found when it is
-        first read: :class:`DataNotFoundError` naming the list, ``ShardNotFoundError``.)
+        first read: :class:`DataNotFoundError` naming the list, ``DataNotFoundError``.)
     CorruptDataError
         On reading: a shard holds another number of samples than listed
-        (``ShardCountError``), or is not an uncompressed tar (``CorruptShardError``).
+        (``CorruptDataError``), or is not an uncompressed tar (``CorruptDataError``).
 
     See Also
     --------

@@ -11,10 +11,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 from dask_ddp.data import (
-    CorruptSampleError,
+    CorruptDataError,
     DataNotFoundError,
     FileDataset,
-    NoSamplesError,
 )
 from dask_ddp.data._fsclient import filesystem_options
 
@@ -75,7 +74,7 @@ def test_s3_prefix_with_suffixes_and_storage_options(s3_endpoint, s3_client, buc
 
 
 def test_no_matching_files(arrays: Path):
-    with pytest.raises(NoSamplesError, match=r"7 files are under it but none is accepted"):
+    with pytest.raises(DataNotFoundError, match=r"7 files are under it but none is accepted"):
         FileDataset(arrays, suffixes=(".parquet",))
 
 
@@ -87,7 +86,7 @@ def test_missing_local_path(tmp_path: Path):
 def test_decode_error_is_corrupt_sample(arrays: Path):
     ds = FileDataset(arrays, decode=load_npy)  # index.json is not an array
     json = ds.urls.index(str(arrays / "index.json"))
-    with pytest.raises(CorruptSampleError, match=f"cannot decode {arrays}/index.json"):
+    with pytest.raises(CorruptDataError, match=f"cannot decode {arrays}/index.json"):
         ds[json]
 
 

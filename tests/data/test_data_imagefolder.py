@@ -10,9 +10,8 @@ from torchvision import datasets, transforms
 
 from dask_ddp.data import (
     IMG_EXTENSIONS,
-    CorruptSampleError,
+    CorruptDataError,
     DataNotFoundError,
-    NoSamplesError,
     S3ImageFolder,
     SampleFetchError,
 )
@@ -112,14 +111,15 @@ def test_empty_prefix_names_what_is_there(s3_endpoint, s3_images):
 def test_prefix_without_images(s3_client, s3_endpoint, bucket):
     for key in ("docs/a/readme.txt", "docs/b/notes.csv"):
         s3_client.put_object(Bucket=bucket, Key=key, Body=b"text")
-    with pytest.raises(NoSamplesError, match=r"2 objects are under it but no image \(looked for"):
+    no_image = r"2 objects are under it but no image \(looked for"
+    with pytest.raises(DataNotFoundError, match=no_image):
         S3ImageFolder(bucket, "docs", endpoint_url=s3_endpoint)
-    assert issubclass(NoSamplesError, FileNotFoundError)
+    assert issubclass(DataNotFoundError, FileNotFoundError)
 
 
 def test_objects_but_no_class_folders(s3_client, s3_endpoint, bucket):
     s3_client.put_object(Bucket=bucket, Key="flat/0.jpg", Body=b"x")
-    with pytest.raises(NoSamplesError, match="no class folder"):
+    with pytest.raises(DataNotFoundError, match="no class folder"):
         S3ImageFolder(bucket, "flat", endpoint_url=s3_endpoint)
 
 
@@ -128,7 +128,7 @@ def test_class_folder_without_images(upload_tree, write_image, s3_endpoint, buck
     (tmp_path / "dog").mkdir()
     (tmp_path / "dog" / "notes.txt").write_text("no images here")
     upload_tree(bucket, "p", tmp_path)
-    with pytest.raises(NoSamplesError, match="class folders dog hold no image"):
+    with pytest.raises(DataNotFoundError, match="class folders dog hold no image"):
         S3ImageFolder(bucket, "p", endpoint_url=s3_endpoint)
     with pytest.raises(FileNotFoundError, match="Found no valid file for the classes dog"):
         datasets.ImageFolder(str(tmp_path))  # the same rule as ImageFolder
@@ -161,9 +161,9 @@ def test_corrupt_image_names_its_key(s3_endpoint, with_corrupt):
     bucket, prefix, url = with_corrupt
     ds = S3ImageFolder(bucket, prefix, endpoint_url=s3_endpoint)
     bad = [u for u, _ in ds.samples].index(url)
-    with pytest.raises(CorruptSampleError, match=f"cannot decode {url}: UnidentifiedImageError"):
+    with pytest.raises(CorruptDataError, match=f"cannot decode {url}: UnidentifiedImageError"):
         ds[bad]
-    with pytest.raises(CorruptSampleError, match=url):
+    with pytest.raises(CorruptDataError, match=url):
         ds.__getitems__(list(range(len(ds))))
     assert ds[bad - 1][1] == ds.targets[bad - 1]  # the others still read
 
@@ -195,8 +195,8 @@ def test_corrupt_image_skipped_on_request(s3_endpoint, with_corrupt, caplog):
 def test_errors_pickle():
     errors = [
         DataNotFoundError("s3://b/p", "nothing is under it"),
-        NoSamplesError("s3://b/p", "no image"),
-        CorruptSampleError("s3://b/p/c/1.jpg", "OSError: truncated"),
+        DataNotFoundError("s3://b/p", "no image"),
+        CorruptDataError("s3://b/p/c/1.jpg", "OSError: truncated"),
         SampleFetchError("s3://b/p/c/1.jpg", "ClientError: SlowDown"),
     ]
     for err in errors:

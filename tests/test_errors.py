@@ -1,0 +1,74 @@
+"""The exceptions a caller decides on: one class per decision, no aliases, and each one
+pickles back from a worker with its fields."""
+
+from __future__ import annotations
+
+import pickle
+
+import dask_ddp
+import dask_ddp.data
+from dask_ddp import errors
+
+
+def _public_exceptions() -> dict[str, type]:
+    found = {}
+    for module in (dask_ddp, dask_ddp.data):
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, BaseException):
+                found[f"{module.__name__}.{name}"] = value
+    return found
+
+
+def test_no_exception_is_exported_under_two_names() -> None:
+    by_class: dict[type, list[str]] = {}
+    for name, cls in _public_exceptions().items():
+        by_class.setdefault(cls, []).append(name)
+    assert {cls.__name__: names for cls, names in by_class.items() if len(names) > 1} == {}
+    assert all(n.rsplit(".", 1)[1] == c.__name__ for n, c in _public_exceptions().items())
+
+
+def test_each_outcome_of_a_job_is_one_class_to_catch() -> None:
+    # what a caller of job.result() decides on
+    infrastructure = {
+        "InfrastructureError", "NoWorkersError", "WorkerBusyError", "RendezvousTimeoutError",
+        "WorkerLostError", "ScaleTimeoutError", "TooManyResizesError", "ChannelError",
+        "SchedulerPluginError",
+        "SampleFetchError", "StorageAccessError", "DatasetPartitionLostError",
+        "CheckpointUploadError",
+    }  # fmt: skip
+    for name, cls in _public_exceptions().items():
+        if cls.__name__ in infrastructure:
+            assert issubclass(cls, dask_ddp.InfrastructureError), name
+        else:
+            assert not issubclass(cls, dask_ddp.InfrastructureError), name
+    for cls in (
+        dask_ddp.RankFailedError,
+        dask_ddp.JobCancelledError,
+        dask_ddp.RetryableError,
+        dask_ddp.data.DataNotFoundError,
+        dask_ddp.data.CorruptDataError,
+    ):
+        assert not issubclass(cls, dask_ddp.InfrastructureError)
+    assert issubclass(dask_ddp.data.DataNotFoundError, FileNotFoundError)
+    assert issubclass(dask_ddp.data.CorruptDataError, ValueError)
+    assert issubclass(dask_ddp.RendezvousTimeoutError, TimeoutError)
+    assert issubclass(dask_ddp.CheckpointUploadError, OSError)
+    assert issubclass(dask_ddp.CheckpointShardsError, ValueError)
+
+
+def test_the_job_s_errors_pickle_and_travel_as_plain_values() -> None:
+    for error in (
+        dask_ddp.WorkerLostError(1, "tcp://10.0.0.7:1", "ddp_train-rank1-3f2a", finished=True),
+        dask_ddp.ScaleTimeoutError("3f2a", 3, 2, 300.0),
+        dask_ddp.TooManyResizesError("3f2a", 20, 20, "shrink: rank 1 was lost"),
+        dask_ddp.JobCancelledError("3f2a", "no client followed it"),
+        dask_ddp.RankStoppedError(0, "ValueError: bad batch", failed_rank=1),
+        dask_ddp.RankFailedError(1, "tcp://w:1", "k", "ValueError: x", "Traceback ..."),
+        dask_ddp.CheckpointUploadError(0, 20, "s3://b/r/c.pt", "PermissionError: denied", 10),
+        dask_ddp.CheckpointShardsError("s3://b/r", 40, 4, 2),
+    ):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        wired = errors.from_wire(errors.to_wire(error))
+        assert type(wired) is type(error) and str(wired) == str(error)
