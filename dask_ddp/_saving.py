@@ -13,8 +13,10 @@ What it guarantees, and how:
 
 - Order: one thread writes, one checkpoint at a time, in the order they were saved; a
   checkpoint is visible (listed, loaded, counted by ``keep_last``) only once it is durable.
-- Bounded memory: at most one checkpoint in flight and one staged. A save that finds both
-  waits for the one in flight; that wait counts as the save's stall
+- Bounded memory: at most one checkpoint in flight and one staged, and never more than two
+  copies of the state in CPU memory (a copy, and the bytes of the one in flight). A save
+  that finds both, or finds the one in flight still being serialised, waits; that wait
+  counts as the save's stall
   (:attr:`CheckpointInfo.stall <dask_ddp.checkpoint.CheckpointInfo.stall>`).
 - Failures are not lost: a write that fails is raised on the rank at its next save, or when
   its function ends (:meth:`Saver.finish`), as
@@ -248,6 +250,7 @@ class _Write:
     world_size: int | None  # per-rank state: the ranks that each write their own
     staged: Staged
     pending: checkpoint.PendingCheckpoint
+    serialised: bool = False  # its copy became bytes and was let go (or kept for the next)
 
 
 class Saver:
@@ -405,15 +408,23 @@ class Saver:
             )  # fmt: skip
         return False
 
+    def _full(self) -> bool:
+        """Whether a new copy would be a third copy of the state in memory: one is staged,
+        or the one in flight is still being serialised (its copy and its bytes both held).
+        Call with ``_cond`` held."""
+        inflight = self._inflight
+        return self._staged is not None or (inflight is not None and not inflight.serialised)
+
     def _wait_for_room(self, step: int) -> None:
-        """Wait while one checkpoint is in flight and another staged."""
+        """Wait while one checkpoint is in flight and another staged, or the one in flight
+        is still being serialised: at most two copies of the state are held at once."""
         with self._cond:
-            if self._staged is None:
+            if not self._full():
                 return
-            waiting = self._staged.step
+            waiting = (self._staged or self._inflight).step
         self._status(f"waiting for the checkpoint of step {waiting} to be written")
         with self._cond:
-            while self._staged is not None:
+            while self._full():
                 self._cond.wait(_POLL)
         self._status("")
         logger.info(
@@ -522,6 +533,8 @@ class Saver:
         torch.save(staged.tree, buf)
         with self._cond:  # the copy is serialised: its buffers serve the next one
             self.stager.release(staged, keep=self._staged is None)
+            write.serialised = True
+            self._cond.notify_all()
         data = buf.getbuffer()  # no copy; a replica kept in this process keeps it alive
         self._check()
         url, nbytes = checkpoint.write_bytes(
