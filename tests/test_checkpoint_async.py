@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import dask
 import pytest
 import torch
 from distributed import Client
@@ -103,6 +104,60 @@ def test_a_state_changed_right_after_the_save_is_saved_as_it_was(client: Client,
     _assert_same(expected, loaded)  # every tensor as it was, none as it became
     assert tied  # the tied weights still share their storage, as torch.save keeps them
     assert [c.step for c in job.checkpoints] == [3]
+
+
+# -- sync mode: the behaviour before asynchronous saves ------------------------------------
+def _save_and_list(directory: str, options: dict | None) -> tuple[str, list[int]] | None:
+    w = torch.zeros(4)
+    out = dask_ddp.save_checkpoint({"w": w, "step": 1}, step=1)
+    listed = [s for s, _ in checkpoint.list_checkpoints(directory, options)]  # at the return
+    w.add_(1)
+    return None if out is None else (type(out).__name__, listed)
+
+
+def test_sync_mode_from_launch_or_config_saves_before_it_returns(
+    client: Client, s3_client, bucket
+) -> None:
+    options = _opt(s3_client)
+    url = f"s3://{bucket}/sync"
+    out = dask_ddp.launch(
+        client, _save_and_list, args=(f"{url}/a", options), checkpoint_dir=f"{url}/a",
+        storage_options=options, checkpoint_mode="sync",
+    ).result(timeout=120)  # fmt: skip
+    assert out == [("CheckpointInfo", [1]), None]  # durable (listed) when it returned
+    with dask.config.set({"ddp.checkpoint.mode": "sync"}):
+        job = dask_ddp.launch(
+            client, _save_and_list, args=(f"{url}/b", options), checkpoint_dir=f"{url}/b",
+            storage_options=options,
+        )  # fmt: skip
+    assert job.result(timeout=120) == [("CheckpointInfo", [1]), None]
+    # The argument wins over the configuration.
+    with dask.config.set({"ddp.checkpoint.mode": "sync"}):
+        job = dask_ddp.launch(
+            client, _save_and_list, args=(f"{url}/c", options), checkpoint_dir=f"{url}/c",
+            storage_options=options, checkpoint_mode="async",
+        )  # fmt: skip
+    assert job.result(timeout=120)[0][0] == "PendingCheckpoint"
+    with pytest.raises(ValueError, match=r"checkpoint_mode.*'async' or 'sync'"):
+        dask_ddp.launch(client, _save_and_list, checkpoint_dir=url, checkpoint_mode="later")
+
+
+def _save_once_into_a_refusing_store() -> str:
+    try:
+        dask_ddp.save_checkpoint({"w": torch.ones(3), "step": 1}, step=1)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_sync_mode_raises_a_refused_write_at_the_call(client: Client, s3_client, locked) -> None:
+    _, url = locked
+    out = dask_ddp.launch(
+        client, _save_once_into_a_refusing_store, checkpoint_dir=url,
+        storage_options=_opt(s3_client), checkpoint_mode="sync", workers=1,
+    ).result(timeout=120)  # fmt: skip
+    assert out[0].startswith("PermissionError"), out[0]
+    assert [s for s, _ in checkpoint.list_checkpoints(url, _opt(s3_client))] == [0]
 
 
 # -- failures ------------------------------------------------------------------------------
