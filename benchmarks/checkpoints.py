@@ -305,6 +305,12 @@ def main() -> None:
                     f"{med['DCP async_save']:.3f} s | {clone:.3f} s | {ours / clone:.2f}x | "
                     f"{ours / med['DCP async_save']:.2f}x |"
                 )
+            print("\nfirst save of each job (buffers not yet allocated; not in the table above):")
+            for mb, by in stall.items():
+                firsts = {m: median(o["save"][0] for o in by[m]) for m in METHODS}
+                clone = median(o["clone"][0] for m in METHODS for o in by[m])
+                print(f"  {mb} MB: " + ", ".join(f"{m} {v:.3f} s" for m, v in firsts.items())
+                      + f", bare clone {clone:.3f} s")  # fmt: skip
             for mb, by in stall.items():
                 for m in METHODS:
                     during = statistics.median(o["step_during"][-1] for o in by[m])
