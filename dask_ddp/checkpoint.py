@@ -463,13 +463,50 @@ def load(source: Any, url: str, *, map_location: torch.device | str | None = Non
     import torch
 
     if isinstance(source, (bytes, bytearray, memoryview)):
-        source = io.BytesIO(source)
+        source = _BytesReader(source)
     try:
         return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "weights_only" in str(exc) or "Weights only load failed" in str(exc):
             raise UnsafeCheckpointError(url, str(exc).splitlines()[0]) from exc
         raise
+
+
+class _BytesReader(io.RawIOBase):
+    """A seekable reader over bytes in memory that copies nothing up front (``io.BytesIO``
+    copies a memoryview or bytearray whole): ``torch.load`` reads each tensor's bytes
+    straight into its storage (``readinto``), so a 1 GB replica is not held twice.
+
+    >>> r = _BytesReader(memoryview(b"abcdef")[1:])
+    >>> r.read(2), r.seek(-1, io.SEEK_END), r.read(), r.tell()
+    (b'bc', 4, b'f', 5)
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 def _first_loadable(
