@@ -91,6 +91,20 @@ def _options(endpoint: str) -> dict:
             "default_block_size": 5 * 2**20}  # fmt: skip
 
 
+def _rank_1_killed(
+    client: Client, url: str, flaky_proxy, *, per_rank: bool
+) -> tuple[dask_ddp.Job, list[dict], dict]:
+    """Train with checkpoints under ``url`` through a 20 ms proxy while rank 1 SIGKILLs its
+    own worker at step 7 (one restart allowed): the job, its ranks' results, the options."""
+    client.wait_for_workers(2, timeout="60s")
+    options = _options(flaky_proxy(delay=0.02).url)
+    job = dask_ddp.launch(
+        client, _train, args=(url, options, per_rank, True, True), checkpoint_dir=url,
+        storage_options=options, max_restarts=1,
+    )  # fmt: skip
+    return job, job.result(timeout=180), options
+
+
 def _resumed(job: dask_ddp.Job) -> dask_ddp.Transition:
     return [t for t in job.history if t.state.value == "running"][-1]
 
@@ -142,16 +156,9 @@ def test_rank_0_killed_midway_through_an_upload_resumes_from_the_peer_replica(
 def test_with_the_replica_s_worker_lost_too_it_resumes_from_the_store(
     killing_cluster, reference, bucket, flaky_proxy
 ) -> None:
-    url = f"s3://{bucket}/store"
     with Client(killing_cluster) as client:
-        client.wait_for_workers(2, timeout="60s")
         # Rank 0 writes; its replicas live on rank 1's worker, which dies.
-        options = _options(flaky_proxy(delay=0.02).url)
-        job = dask_ddp.launch(
-            client, _train, args=(url, options, False, True, True), checkpoint_dir=url,
-            storage_options=options, max_restarts=1,
-        )  # fmt: skip
-        out = job.result(timeout=180)
+        job, out, _ = _rank_1_killed(client, f"s3://{bucket}/store", flaky_proxy, per_rank=False)
     assert [o["start"] for o in out] == [6, 6]
     resumed = _resumed(job)
     assert (resumed.restored_from, resumed.restored_step) == ("store", 5)
@@ -164,13 +171,7 @@ def test_per_rank_state_resumes_from_the_replica_that_survived(
 ) -> None:
     url = f"s3://{bucket}/shards"
     with Client(killing_cluster) as client:
-        client.wait_for_workers(2, timeout="60s")
-        options = _options(flaky_proxy(delay=0.02).url)
-        job = dask_ddp.launch(
-            client, _train, args=(url, options, True, True, True), checkpoint_dir=url,
-            storage_options=options, max_restarts=1,
-        )  # fmt: skip
-        out = job.result(timeout=180)
+        job, out, options = _rank_1_killed(client, url, flaky_proxy, per_rank=True)
         # Rank 0's part was kept on rank 1's worker (lost): from the store; rank 1's part
         # was kept on rank 0's worker: from there.
         resumed = _resumed(job)
