@@ -35,6 +35,10 @@ def _train(
     model = DDP(torch.nn.Linear(1024, 1536))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     visible = checkpoint.list_checkpoints(directory, options)
+    # what the store itself loads as the latest, when a restarted attempt begins
+    latest = None
+    if ctx.attempt and ctx.rank == 0 and not per_rank:
+        latest = checkpoint.latest(directory, storage_options=options)[0]
     start = 0
     state = dask_ddp.get_checkpoint(per_rank=per_rank)
     if state is not None:
@@ -60,6 +64,7 @@ def _train(
         "attempt": ctx.attempt,
         "start": start,
         "visible": [s for s, _ in visible],
+        "latest": latest,
         "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
     }
 
@@ -145,6 +150,7 @@ def test_rank_0_killed_midway_through_an_upload_resumes_from_the_peer_replica(
     assert [o["attempt"] for o in out] == [1, 1]
     # When attempt 1 started, step 5 was still the latest: nothing of step 8 was visible.
     assert out[0]["visible"] == [2, 5]
+    assert out[0]["latest"] == 5  # and it loads from the store, not only from the replica
     assert [o["start"] for o in out] == [6, 6]
     resumed = _resumed(job)
     assert (resumed.attempt, resumed.restored_from, resumed.restored_step) == (1, "peer", 5)
