@@ -36,7 +36,7 @@ from typing import Any
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from . import _dashboard, _dask_internals, _preload, events
+from . import _dashboard, _dask_internals, _preload, _replicas, events
 from . import config as _config
 from ._pool import WorkerPool
 from ._types import JobSpec
@@ -112,8 +112,10 @@ class DaskDDPPlugin(SchedulerPlugin):
                 set_as_default=False,
                 name="dask-ddp-supervisor",
             )
-            # Workers serve large rank messages to clients directly (dask_ddp.events).
+            # Workers serve large rank messages to clients directly (dask_ddp.events), and
+            # checkpoint replicas to each other (dask_ddp._replicas).
             await self.client.register_plugin(events.BlobHandler())
+            await self.client.register_plugin(_replicas.ReplicaPlugin())
         except Exception:
             logger.exception("dask-ddp: the plugin could not connect to its scheduler")
             raise
