@@ -201,14 +201,17 @@ def run_proxy(port: int, upstream: int, delay: float, ready) -> None:
 class _DelayingProxy(asyncio.Protocol):
     """One client connection: each request is forwarded ``delay`` s after it arrives, on
     this connection's own keep-alive connection to the server; responses stream back
-    untouched. Requests are framed by Content-Length (GET, HEAD and listings carry no
-    body; uploads go to the server directly). Protocols rather than streams keep the
-    proxy's own CPU use per request low, since it shares the machine being measured.
+    untouched. Requests are framed by Content-Length (GET, HEAD and listings carry none;
+    uploads do, and botocore's ``Expect: 100-continue`` is answered here, as a server
+    would). Protocols rather than streams keep the proxy's own CPU use per request low,
+    since it shares the machine being measured; a body arriving in many pieces is only
+    counted until it is whole, so a 50 MB upload part costs linear time.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, upstream: int, delay: float) -> None:
         self.loop, self.upstream, self.delay = loop, upstream, delay
-        self.buffer = b""
+        self.buffer = bytearray()
+        self.need: int | None = None  # bytes of the request being read, once its head is
         self.pending: list[bytes] = []
         self.client: asyncio.Transport | None = None
         self.server: asyncio.Transport | None = None
@@ -233,18 +236,28 @@ class _DelayingProxy(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
+            if self.need is None:
+                end = self.buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                length, kept = 0, []
+                for line in bytes(self.buffer[: end + 4]).split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    name = name.strip().lower()
+                    if name == b"content-length":
+                        length = int(value)
+                    elif name == b"expect":  # the body waits for this answer
+                        self.client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                        continue
+                    kept.append(line)
+                head = b"\r\n".join(kept)  # still ends with a blank line
+                self.buffer[: end + 4] = head
+                self.need = len(head) + length
+            if len(self.buffer) < self.need:
                 return
-            head = self.buffer[: end + 4]
-            length = 0
-            at = head.lower().find(b"\r\ncontent-length:")
-            if at >= 0:
-                length = int(head[at + 17 : head.index(b"\r\n", at + 2)])
-            if len(self.buffer) < end + 4 + length:
-                return
-            request = self.buffer[: end + 4 + length]
-            self.buffer = self.buffer[end + 4 + length :]
+            request = bytes(self.buffer[: self.need])
+            del self.buffer[: self.need]
+            self.need = None
             self.loop.call_later(self.delay, self._forward, request)
 
     def _forward(self, request: bytes) -> None:

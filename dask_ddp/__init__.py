@@ -13,7 +13,7 @@ from typing import Any as _Any
 from ._version import __version__
 
 if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load on use
-    from .checkpoint import CheckpointInfo, UnsafeCheckpointError
+    from .checkpoint import CheckpointInfo, PendingCheckpoint, UnsafeCheckpointError
     from .context import (
         RankContext,
         get_checkpoint,
@@ -27,6 +27,8 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         BackendUnavailableError,
         ChannelError,
         CheckpointDirMissingError,
+        CheckpointShardsError,
+        CheckpointUploadError,
         DaskDDPError,
         InfrastructureError,
         JobCancelledError,
@@ -55,6 +57,7 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
 # `python -m dask_ddp --help` and a client that only launches never import torch.
 _WHERE = {
     "CheckpointInfo": "checkpoint",
+    "PendingCheckpoint": "checkpoint",
     "UnsafeCheckpointError": "checkpoint",
     "RankContext": "context",
     "get_checkpoint": "context",
@@ -68,6 +71,8 @@ _WHERE = {
     "BackendUnavailableError": "errors",
     "ChannelError": "errors",
     "CheckpointDirMissingError": "errors",
+    "CheckpointShardsError": "errors",
+    "CheckpointUploadError": "errors",
     "DaskDDPError": "errors",
     "InfrastructureError": "errors",
     "JobCancelledError": "errors",
@@ -132,6 +137,8 @@ __all__ = [
     "ChannelError",
     "CheckpointDirMissingError",
     "CheckpointInfo",
+    "CheckpointShardsError",
+    "CheckpointUploadError",
     "DaskDDPError",
     "DaskResultsHandler",
     "InfrastructureError",
@@ -147,6 +154,7 @@ __all__ = [
     "NotInRankError",
     "NotPicklableError",
     "OutputLine",
+    "PendingCheckpoint",
     "PlacementError",
     "RankContext",
     "RankFailedError",

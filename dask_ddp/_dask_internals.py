@@ -15,7 +15,7 @@ from typing import Any
 CHECKED_WITH = ("2026.8.0",)
 
 
-# --- used by dask_ddp.events ---
+# --- used by dask_ddp.events and dask_ddp._replicas ---
 def add_worker_handler(worker: Any, name: str, handler: Callable[..., Any]) -> None:
     """Serve ``handler`` as the RPC ``name`` of ``worker`` (what extensions such as the
     shuffle do); called from :class:`dask_ddp.events.BlobHandler`'s ``setup``.
@@ -28,6 +28,22 @@ def add_worker_handler(worker: Any, name: str, handler: Callable[..., Any]) -> N
 def remove_worker_handler(worker: Any, name: str) -> None:
     """Stop serving the RPC ``name`` on ``worker``; nothing if it is not served."""
     worker.handlers.pop(name, None)
+
+
+def call_peer(worker: Any, address: str, handler: str, timeout: float | None, **kwargs: Any) -> Any:
+    """Call the RPC ``handler`` (one a worker plugin added) of the worker at ``address``
+    from a thread of ``worker`` (a rank's), worker to worker, and wait for the answer at
+    most ``timeout`` seconds. Used by :class:`dask_ddp._replicas.PeerLink`.
+
+    Private: ``Worker.rpc``, the worker's pool of connections to other servers, and
+    ``distributed.utils.sync`` to run the call on the worker's event loop.
+    """
+    from distributed.utils import sync
+
+    async def call() -> Any:
+        return await getattr(worker.rpc(address), handler)(**kwargs)
+
+    return sync(worker.loop, call, callback_timeout=timeout)
 
 
 def drop_topic(topic: str, client_id: str | None, dask_scheduler: Any = None) -> bool:

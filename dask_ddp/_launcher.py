@@ -22,9 +22,17 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from . import _dask_internals, bootstrap, events
+from . import _dask_internals, _replicas, bootstrap, events
+from ._slot import Restore
 from ._types import JobSpec
-from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, rank_key
+from .placement import (
+    WorkerInfo,
+    choose_backend,
+    order_workers,
+    plan_ranks,
+    rank_key,
+    replica_holders,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,8 @@ class Attempt:
         Rank -> the outcome its final marker carried (:func:`dask_ddp.bootstrap.outcome_of`).
     lost : dict
         Rank -> the worker that left the cluster while the rank ran.
+    loaded : dict
+        Rank -> where its state came from, as it said: ``[source, step, where]`` each time.
     """
 
     number: int
@@ -74,6 +84,7 @@ class Attempt:
     errors: dict[int, str] = dataclasses.field(default_factory=dict)
     markers: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     lost: dict[int, str] = dataclasses.field(default_factory=dict)
+    loaded: dict[int, list[list[Any]]] = dataclasses.field(default_factory=dict)
     grow_requested: bool = False
     reported: bool = False  # a rank of this attempt reported a record
     published: bool = False  # its futures are published (every client can read them)
@@ -173,6 +184,12 @@ class Launcher:
             spec.job_id, number, len(plan), plan[-1].node_rank + 1, backend, why, hosts[rank0],
             port,
         )  # fmt: skip
+        holders: list[str | None] = [None] * len(plan)
+        if spec.rank_options.get("checkpoint_dir") and settings.checkpoint_replicas:
+            spare = [
+                WorkerInfo(a, ws.host) for a, ws in self.scheduler.workers.items() if a not in hosts
+            ]
+            holders = replica_holders(plan, order_workers(spare))
         specs = [
             bootstrap.RankSpec(
                 job_id=run_id,
@@ -194,6 +211,9 @@ class Launcher:
                 job=spec.job_id,
                 topic=events.job_topic(spec.job_id),
                 max_restarts=spec.max_restarts,
+                checkpoint_mode=settings.checkpoint_mode,
+                replica_holder=holders[p.rank],
+                replica_fraction=settings.replica_fraction,
                 **spec.rank_options,
             )
             for p in plan
@@ -207,6 +227,26 @@ class Launcher:
             keys=[s.key for s in specs],
             specs=specs,
         )
+
+    def restore_from(self, attempt: Attempt, plans: Sequence[tuple[Restore, ...]]) -> None:
+        """Tell each rank of ``attempt`` where its state comes from (before it is submitted)."""
+        attempt.specs = [
+            dataclasses.replace(spec, restore=plan)
+            for spec, plan in zip(attempt.specs, plans, strict=True)
+        ]
+
+    async def drop_replicas(self, workers: Sequence[str], key: tuple[int, Any] | None) -> None:
+        """Forget the job's replicas on ``workers`` (those of ``key``, ``(writer, world
+        size)``, only, if given) at the job's end, or when they moved elsewhere."""
+        alive = sorted(set(workers) & set(self.scheduler.workers))
+        if not alive:
+            return
+        try:
+            await self.client.run(
+                _replicas.drop_job, self.spec.job_id, key, workers=alive, on_error="return"
+            )
+        except Exception:
+            logger.debug("job %s: could not drop replicas", self.spec.job_id, exc_info=True)
 
     def submit(self, attempt: Attempt) -> None:
         """Submit the attempt's rank tasks (they go out on the client's stream)."""

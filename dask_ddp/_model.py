@@ -140,8 +140,8 @@ class JobModel:
                     if current:
                         self.progress.add(rank, step, when, values)
                 elif kind == events.CHECKPOINT:
-                    url, step, nbytes, when = body
-                    info = checkpoint.CheckpointInfo(url, step, nbytes, rank, when)
+                    url, step, nbytes, when, stall, world = body
+                    info = checkpoint.CheckpointInfo(url, step, nbytes, rank, when, stall, world)
                     if info not in self.checkpoints:
                         self.checkpoints.append(info)
                 elif kind == events.RESULT:

@@ -30,12 +30,13 @@ import dataclasses
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from . import _dashboard, _dask_internals, _preload, events
+from . import _dashboard, _dask_internals, _preload, _replicas, events
 from . import config as _config
 from ._pool import WorkerPool
 from ._types import JobSpec
@@ -111,8 +112,10 @@ class DaskDDPPlugin(SchedulerPlugin):
                 set_as_default=False,
                 name="dask-ddp-supervisor",
             )
-            # Workers serve large rank messages to clients directly (dask_ddp.events).
+            # Workers serve large rank messages to clients directly (dask_ddp.events), and
+            # checkpoint replicas to each other (dask_ddp._replicas).
             await self.client.register_plugin(events.BlobHandler())
+            await self.client.register_plugin(_replicas.ReplicaPlugin())
         except Exception:
             logger.exception("dask-ddp: the plugin could not connect to its scheduler")
             raise
@@ -383,17 +386,22 @@ def _order_mark(client_id: str) -> str:
     return f"dask-ddp-order-{client_id}"
 
 
-def submit_job(client: Client, spec: JobSpec) -> dict[str, Any]:
-    """Hand ``spec`` to the cluster; its state once it runs or waits.
+def submit_job(client: Client, spec: JobSpec, follow: Callable[[], Any]) -> dict[str, Any]:
+    """Hand ``spec`` to the cluster, once ``follow()`` subscribed this client to the job's
+    topic; the job's state once it runs or waits.
 
     The job comes after everything this client sent before it: a task submitted just
     before ``launch()`` on a worker the job uses runs before the job's rank there, as if
     the client had submitted both. ``Client.publish_dataset`` returns only once the
     scheduler has read the client's stream that far (the marker is one small dataset per
-    client, dropped when the client leaves).
+    client, dropped when the client leaves). The marker goes first: the client's stream
+    sends at once when it has been idle, but holds what follows a send for its batch
+    interval (10 ms), and the subscription need not be waited for (the supervisor
+    subscribes the launching client itself).
     """
     install(client)
     client.publish_dataset(None, name=_order_mark(client.id), override=True)
+    follow()
     return client.run_on_scheduler(_launch, spec)
 
 

@@ -35,11 +35,15 @@ def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
     """After the checkpoint of ``step``: stop here if the job grows (every rank alike).
 
     Rank 0 takes the client's request and writes the decision; the others wait for it
-    (at most ``timeout`` seconds: rank 0 may still be writing a large checkpoint).
+    (at most ``timeout`` seconds: rank 0 may still be writing a large checkpoint). A job
+    that grows restarts from this checkpoint: every rank waits until what it saved is
+    durable (an asynchronous save returned before) before it stops.
     """
     key = _word(step)
     if rank == 0:
         grow = this_slot().take_grow_request(run.job_id)
+        if grow and run.saver is not None:
+            run.saver.flush()
         run.store.set(key, _GROW if grow else _GO)
     else:
         # A stop (bootstrap.abort_rank) cannot reach a thread inside the C++ wait: say which
@@ -47,6 +51,8 @@ def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
         run.store.set(_WAITING, str(step))
         run.store.wait([key], timedelta(seconds=timeout))
         grow = run.store.get(key) == _GROW
+        if grow and run.saver is not None:
+            run.saver.flush()
     if grow:
         raise GrowAtCheckpoint(step)
 

@@ -38,6 +38,7 @@ __all__ = [
     "ProcessSlot",
     "RankContext",
     "RankRun",
+    "Restore",
     "host_lanes",
     "slot_for",
     "this_slot",
@@ -102,8 +103,49 @@ class RankContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class Restore:
+    """Where a rank of a new attempt finds a checkpoint, as the job's supervisor decided.
+
+    Attributes
+    ----------
+    step : int
+        The checkpoint's step.
+    source : str
+        ``"peer"``: a replica held in the memory of the worker ``holder``; ``"store"``: the
+        durable copy at ``url``.
+    writer : int
+        Whose checkpoint: 0 for the job's state, the rank for per-rank state.
+    world_size : int or None
+        For per-rank state, the number of ranks that wrote it; None for the job's state.
+    holder : str or None
+        The worker holding the replica (``source="peer"``).
+    url : str or None
+        The durable copy, the fallback when the replica cannot be read.
+
+    Examples
+    --------
+    >>> Restore(40, "peer", 0, holder="tcp://10.0.0.2:4242").describe()
+    'the replica of step 40 in the memory of tcp://10.0.0.2:4242'
+    """
+
+    step: int
+    source: str
+    writer: int = 0
+    world_size: int | None = None
+    holder: str | None = None
+    url: str | None = None
+
+    def describe(self) -> str:
+        """Where it is, in words."""
+        if self.source == "peer":
+            return f"the replica of step {self.step} in the memory of {self.holder}"
+        return f"{self.url or 'the store'} (step {self.step})"
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
-    """Where a rank's checkpoints go (``launch(checkpoint_dir=...)``), resolved on the client."""
+    """Where a rank's checkpoints go (``launch(checkpoint_dir=...)``), resolved on the client,
+    and where the rank's state comes from on a restart (decided by the supervisor)."""
 
     directory: str | None
     keep_last: int | None = None
@@ -111,6 +153,17 @@ class CheckpointSettings:
     # an elastic job below its size: its ranks may stop at a checkpoint to grow, waiting
     # at most this long for rank 0's decision (None: the job cannot grow)
     grow_timeout: float | None = None
+    # "async": save_checkpoint() returns once the state is copied, the write runs in the
+    # background; "sync": it returns once the checkpoint is durable
+    mode: str = "async"
+    # the job's id (the same for all its attempts): replicas are kept under it
+    job: str = ""
+    # the worker that keeps this rank's replicas in memory (None: no replicas)
+    replica_holder: str | None = None
+    # the most of its worker's memory limit a replica store may fill
+    replica_fraction: float = 0.25
+    # where this rank's state comes from: the job's state, and its own (per-rank) state
+    restore: tuple[Restore, ...] = ()
 
 
 @dataclasses.dataclass
@@ -145,6 +198,10 @@ class RankRun:
         Where :func:`dask_ddp.save_checkpoint` writes, while the user's function runs.
     dataset_plans, dataset_shards : dict
         This rank's share of ``launch(datasets=)``, and the shards opened from it.
+    saver : dask_ddp._saving.Saver or None
+        Writes the checkpoints the user's function saves, while it runs.
+    resumer : dask_ddp._resume.Resumer or None
+        Loads the checkpoints the user's function asks for, while it runs.
     on_end : list of callable
         Called when the run releases the slot (background helpers that end with the rank).
     pid : int
@@ -164,6 +221,8 @@ class RankRun:
     store: Any = None
     context: RankContext | None = None
     checkpointing: CheckpointSettings | None = None
+    saver: Any = None
+    resumer: Any = None
     dataset_plans: dict[str, Any] = dataclasses.field(default_factory=dict)
     dataset_shards: dict[str, Any] = dataclasses.field(default_factory=dict)
     on_end: list[Callable[[], None]] = dataclasses.field(default_factory=list)

@@ -91,6 +91,15 @@ class Transition:
         without training.
     first_step : float or None
         ``running`` entries: when the placement's first :func:`dask_ddp.report` arrived.
+    restored_from : str or None
+        ``running`` entries: where the ranks' state came from when they loaded the last
+        checkpoint (:func:`dask_ddp.get_checkpoint`): ``"peer"`` (a replica in a surviving
+        worker's memory), ``"store"`` (the durable copy under ``checkpoint_dir``), or
+        ``"peer+store"`` (per-rank state, some of each); None while no rank loaded one.
+        Set when the attempt is placed (the supervisor's plan) and corrected by what the
+        ranks report.
+    restored_step : int or None
+        ``running`` entries: the step of that checkpoint.
 
     Examples
     --------
@@ -109,6 +118,8 @@ class Transition:
     world_size: int = 0
     since: float | None = None
     first_step: float | None = None
+    restored_from: str | None = None
+    restored_step: int | None = None
 
     @property
     def seconds_to_first_step(self) -> float | None:

@@ -26,8 +26,27 @@ from typing import Any
 
 import cloudpickle
 
-from . import _malloc, _output, _process, _resize, _status, _traceback, events
-from ._slot import PROCESS, CheckpointSettings, ProcessSlot, RankContext, RankRun, slot_for
+from . import (
+    _malloc,
+    _output,
+    _process,
+    _replicas,
+    _resize,
+    _resume,
+    _saving,
+    _status,
+    _traceback,
+    events,
+)
+from ._slot import (
+    PROCESS,
+    CheckpointSettings,
+    ProcessSlot,
+    RankContext,
+    RankRun,
+    Restore,
+    slot_for,
+)
 from .context import _activated
 from .errors import RankStoppedError, RendezvousTimeoutError, RetryableError, WorkerBusyError
 from .placement import RankPlacement
@@ -72,6 +91,12 @@ class RankSpec:
     job: str | None = None
     topic: str | None = None
     max_restarts: int = 0
+    # ddp.checkpoint.*: "async" or "sync" saves; the worker keeping this rank's replicas
+    # (None: none) and how much of its memory they may take; where the state comes from
+    checkpoint_mode: str = "async"
+    replica_holder: str | None = None
+    replica_fraction: float = 0.25
+    restore: tuple[Restore, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -539,10 +564,16 @@ def _run_in_slot(
         spec.keep_last,
         spec.storage_options,
         grow_timeout=spec.timeout if spec.can_grow else None,
+        mode=spec.checkpoint_mode,
+        job=spec.job or spec.job_id,
+        replica_holder=spec.replica_holder,
+        replica_fraction=spec.replica_fraction,
+        restore=spec.restore,
     )
+    saver, resumer = _checkpointing(checkpointing, ctx, run, worker)
     try:
         with (
-            _activated(run, ctx, checkpointing, spec.datasets),
+            _activated(run, ctx, checkpointing, spec.datasets, saver, resumer),
             # A lane shares its process's streams with the other lanes: nothing to forward.
             _output.forwarded(run.channel) if slot is PROCESS else contextlib.nullcontext(),
         ):
@@ -565,6 +596,39 @@ def _run_in_slot(
         raise
     finally:
         slot.stop_running(run)
+
+
+def _checkpointing(
+    settings: CheckpointSettings, ctx: RankContext, run: RankRun, worker: Any
+) -> tuple[_saving.Saver | None, _resume.Resumer | None]:
+    """What saves and loads the rank's checkpoints (None without ``checkpoint_dir``)."""
+    if settings.directory is None:
+        return None, None
+    channel = run.channel
+
+    def announce(kind: str, body: list[Any]) -> None:
+        if channel is not None:
+            channel.put(kind, body, "save_checkpoint", urgent=True)
+
+    peer = _replicas.PeerLink(worker, settings.job)
+    saver = _saving.Saver(
+        settings,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        announce=announce,
+        peer=peer,
+        memory=lambda: (_replicas.process_memory(), _replicas.memory_limit(worker)),
+        status=lambda text: _status.send(run, None, text),
+    )
+    resumer = _resume.Resumer(
+        settings,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        peer=peer,
+        announce=announce,
+    )
+    return saver, resumer
 
 
 def _release_process_group() -> None:

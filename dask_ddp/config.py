@@ -57,6 +57,9 @@ class Settings:
     scale_timeout: float = 300.0
     orphan_timeout: float = 600.0
     max_resizes: int = 20
+    checkpoint_mode: str = "async"
+    checkpoint_replicas: bool = True
+    replica_fraction: float = 0.25
 
 
 def _seconds(value: Any, key: str) -> float:
@@ -100,12 +103,41 @@ def _optional_int(value: Any, key: str) -> int | None:
     return number
 
 
-def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -> Settings:
+_MODES = ("async", "sync")
+
+
+def _mode(value: Any) -> str:
+    if value not in _MODES:
+        raise ValueError(
+            f"checkpoint_mode (ddp.checkpoint.mode) must be 'async' or 'sync'; got {value!r}"
+        )
+    return value
+
+
+def _fraction(value: Any, key: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ddp.{key} must be a fraction such as 0.25; got {value!r}") from None
+    if not 0 <= number <= 1:
+        raise ValueError(f"ddp.{key} must be between 0 and 1; got {value!r}")
+    return number
+
+
+def resolve(
+    *,
+    backend: str | None = None,
+    timeout: TimeoutLike | None = None,
+    checkpoint_mode: str | None = None,
+) -> Settings:
     """Read ``ddp.*`` once; explicit arguments win over configuration.
 
     >>> resolve(timeout="90s").timeout
     90.0
+    >>> resolve(checkpoint_mode="sync").checkpoint_mode
+    'sync'
     """
+    mode = checkpoint_mode if checkpoint_mode is not None else get("ddp.checkpoint.mode")
     return Settings(
         backend=backend if backend is not None else get("ddp.backend"),
         timeout=_seconds(timeout if timeout is not None else get("ddp.timeout"), "timeout"),
@@ -122,6 +154,11 @@ def resolve(*, backend: str | None = None, timeout: TimeoutLike | None = None) -
         scale_timeout=_seconds(get("ddp.scale-timeout"), "scale-timeout"),
         orphan_timeout=_seconds(get("ddp.orphan-timeout"), "orphan-timeout"),
         max_resizes=_optional_int(get("ddp.max-resizes"), "max-resizes") or 0,
+        checkpoint_mode=_mode(mode),
+        checkpoint_replicas=bool(get("ddp.checkpoint.replicas")),
+        replica_fraction=_fraction(
+            get("ddp.checkpoint.replica-memory"), "checkpoint.replica-memory"
+        ),
     )
 
 

@@ -169,14 +169,32 @@ def _rank_channel(caller: str) -> _events.RankChannel:
     return channel
 
 
-def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | None:
-    """Save ``state`` as the job's checkpoint for ``step``, atomically.
+def save_checkpoint(
+    state: Any, *, step: int, per_rank: bool = False
+) -> _checkpoint.CheckpointInfo | _checkpoint.PendingCheckpoint | None:
+    """Save ``state`` as the job's checkpoint for ``step``, atomically, off the training path.
 
-    Rank 0 writes (DDP keeps every rank's model identical); on other ranks this returns
-    None without writing, so the same code runs everywhere. The file lands under the
-    job's ``checkpoint_dir`` (any fsspec URL) as ``checkpoint-<step>.pt``; a reader never
-    sees it half-written, and only the last ``keep_last`` are kept. The client sees it in
-    :attr:`Job.checkpoints <dask_ddp.Job.checkpoints>` as soon as it lands.
+    By default (``checkpoint_mode="async"``) it returns as soon as ``state`` is copied off
+    the live tensors into CPU memory: changing them afterwards (the next optimizer step)
+    never changes what is saved. Serialising and writing happen in the background, one
+    checkpoint at a time and in the order they were saved; a checkpoint is visible
+    (:func:`get_checkpoint`, :attr:`Job.checkpoints <dask_ddp.Job.checkpoints>`,
+    ``keep_last``) only once it is durable. At most one checkpoint is in flight and one
+    more copied: a save that finds both waits for the one in flight (its stall, in
+    :attr:`CheckpointInfo.stall <dask_ddp.checkpoint.CheckpointInfo.stall>`). A write that
+    fails raises :class:`~dask_ddp.CheckpointUploadError` here at the next save, or when
+    the function returns, which also waits for the last write. Each checkpoint is also kept
+    in another worker's memory, from where a restart after a lost worker loads it. With
+    ``checkpoint_mode="sync"`` it returns once the checkpoint is written, as before.
+
+    Rank 0 writes the job's state (DDP keeps every rank's model identical); on other ranks
+    this returns None without writing, so the same code runs everywhere. With
+    ``per_rank=True`` every rank writes its own state (FSDP-style shards), and
+    :func:`get_checkpoint` with ``per_rank=True`` gives each rank its own back; such a
+    checkpoint counts (is loaded, kept by ``keep_last``) once every rank's file is there.
+    Files land under the job's ``checkpoint_dir`` (any fsspec URL) as
+    ``checkpoint-<step>.pt`` (``checkpoint-<step>.rank-<r>-of-<n>.pt``); a reader never
+    sees one half-written.
 
     Save plain state (``model.state_dict()``, ``optimizer.state_dict()``, numbers,
     strings, lists and dicts of tensors): :func:`get_checkpoint` loads with
@@ -187,12 +205,23 @@ def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | No
     stops here to grow (then it raises on every rank, and the job restarts from this
     checkpoint with more ranks; see docs/elastic.md).
 
+    Returns
+    -------
+    PendingCheckpoint, CheckpointInfo or None
+        On a rank that writes: a :class:`~dask_ddp.checkpoint.PendingCheckpoint` (async;
+        its ``wait()`` returns the ``CheckpointInfo`` once durable), or the
+        :class:`~dask_ddp.checkpoint.CheckpointInfo` of the written checkpoint (sync).
+
     Raises
     ------
     NotInRankError
         Called outside a rank.
     CheckpointDirMissingError
         The job was launched without ``checkpoint_dir``.
+    CheckpointUploadError
+        An earlier checkpoint of this rank could not be written.
+    ValueError
+        ``step`` is not an int of at least 0.
 
     Examples
     --------
@@ -211,38 +240,43 @@ def save_checkpoint(state: Any, *, step: int) -> _checkpoint.CheckpointInfo | No
     run = _active_run("save_checkpoint")
     ctx = get_context()
     settings = run.checkpointing or CheckpointSettings(None)
-    if settings.directory is None:
+    if settings.directory is None or run.saver is None:
         raise CheckpointDirMissingError(ctx.rank)
-    info = None
-    if ctx.rank == 0:
-        url, nbytes = _checkpoint.write(
-            state,
-            settings.directory,
-            step=step,
-            keep_last=settings.keep_last,
-            storage_options=settings.storage_options,
-        )
-        info = _checkpoint.CheckpointInfo(url, step, nbytes, ctx.rank, time.time())
-        if run.channel is not None:
-            run.channel.put(_events.CHECKPOINT, [url, step, nbytes, info.time], "save_checkpoint")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"save_checkpoint() takes step as an int of at least 0; got {step!r}")
+    result = None
+    if per_rank or ctx.rank == 0:
+        result = run.saver.save(state, step, per_rank=per_rank)
     if settings.grow_timeout is not None:
         _resize.at_checkpoint(run, ctx.rank, step, settings.grow_timeout)
-    return info
+    return result
 
 
-def get_checkpoint() -> Any:
+def get_checkpoint(*, per_rank: bool = False, rank: int | None = None) -> Any:
     """The job's latest complete checkpoint, loaded onto this rank's device, or None.
 
-    None when the job has no ``checkpoint_dir`` or nothing was saved there yet. A file
-    that does not load (cut short by a crash) is skipped for the one before it. Loading
-    uses ``torch.load(weights_only=True)``: tensors, dicts, lists, tuples, numbers and
-    strings come back; anything else raises
-    :class:`~dask_ddp.checkpoint.UnsafeCheckpointError`.
+    None when the job has no ``checkpoint_dir`` or nothing was saved there yet. After a
+    restart it comes from where the job's supervisor found the last checkpoint: the
+    replica in a surviving worker's memory when there is one (no storage round trip),
+    else the store; :attr:`Job.history <dask_ddp.Job.history>` says which. A file that
+    does not load (cut short by a crash) is skipped for the one before it. Loading uses
+    ``torch.load(weights_only=True)``: tensors, dicts, lists, tuples, numbers and strings
+    come back; anything else raises :class:`~dask_ddp.checkpoint.UnsafeCheckpointError`.
+
+    Parameters
+    ----------
+    per_rank : bool
+        Load per-rank state (``save_checkpoint(..., per_rank=True)``): this rank's own.
+    rank : int, optional
+        With ``per_rank``, load that rank's state instead (to reshard it after the job's
+        size changed).
 
     Raises
     ------
     NotInRankError
         Called outside a rank.
+    CheckpointShardsError
+        ``per_rank``: the newest per-rank checkpoint was written by another number of ranks.
 
     Examples
     --------
@@ -256,14 +290,9 @@ def get_checkpoint() -> Any:
     ...         ...
     """
     run = _active_run("get_checkpoint")
-    ctx = get_context()
-    settings = run.checkpointing or CheckpointSettings(None)
-    if settings.directory is None:
+    if run.resumer is None:
         return None
-    found = _checkpoint.latest(
-        settings.directory, map_location=ctx.device, storage_options=settings.storage_options
-    )
-    return None if found is None else found[1]
+    return run.resumer.load(per_rank=per_rank, rank=rank)
 
 
 def _latest_checkpoint_url() -> str | None:
@@ -327,16 +356,32 @@ def _activated(
     ctx: RankContext,
     checkpointing: CheckpointSettings | None = None,
     datasets: Mapping[str, Any] | None = None,
+    saver: Any = None,
+    resumer: Any = None,
 ) -> Iterator[RankContext]:
     """Make ``ctx`` (with its checkpoints and its share of the datasets) what the user's
-    function sees in ``run`` for the block; stop the shards' background fetches after it."""
+    function sees in ``run`` for the block; stop the shards' background fetches after it.
+
+    The block's end waits for the checkpoints ``saver`` still writes (and raises if one
+    failed); a block that raises gives them up instead, unless it stops to grow (then the
+    job goes on from the last of them).
+    """
     run.context, run.checkpointing = ctx, checkpointing or CheckpointSettings(None)
+    run.saver, run.resumer = saver, resumer
     run.dataset_plans, run.dataset_shards = dict(datasets or {}), {}
     try:
         yield ctx
+        if saver is not None:
+            saver.finish()
+    except _resize.GrowAtCheckpoint:
+        if saver is not None:
+            saver.finish()
+        raise
     finally:
+        if saver is not None:
+            saver.stop()  # nothing left once finished; else what is left is given up
         shards = run.dataset_shards
-        run.context, run.checkpointing = None, None
+        run.context, run.checkpointing, run.saver, run.resumer = None, None, None, None
         run.dataset_plans, run.dataset_shards = {}, {}
         for shard in shards.values():
             shard.close()

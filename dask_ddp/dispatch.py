@@ -122,6 +122,7 @@ def launch(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    checkpoint_mode: str | None = None,
     datasets: Mapping[str, Any] | None = None,
     total_steps: int | None = None,
     name: str | None = None,
@@ -192,6 +193,12 @@ def launch(
     storage_options : mapping, optional
         fsspec options for ``checkpoint_dir`` (for example
         ``{"client_kwargs": {"endpoint_url": "http://minio:9000"}}``).
+    checkpoint_mode : {"async", "sync", None}, optional
+        ``"async"``: :func:`dask_ddp.save_checkpoint` returns once the state is copied to
+        CPU memory and the checkpoint is written in the background (and also kept in
+        another worker's memory, for restarts); ``"sync"``: it returns once the checkpoint
+        is written. ``None`` reads ``ddp.checkpoint.mode`` (default ``"async"``). See
+        docs/checkpoints.md.
     datasets : mapping of str to Dask collection, optional
         Training data already in Dask: ``{"train": ddf}`` with a dask.dataframe DataFrame or
         Series, a dask.bag Bag or a dask.array Array, or a
@@ -278,6 +285,7 @@ def launch(
         checkpoint_dir=checkpoint_dir,
         keep_last=keep_last,
         storage_options=storage_options,
+        checkpoint_mode=checkpoint_mode,
         datasets=datasets,
         total_steps=total_steps,
         name=name,
@@ -303,6 +311,7 @@ def _launch(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    checkpoint_mode: str | None = None,
     datasets: Mapping[str, Any] | None = None,
     total_steps: int | None = None,
     name: str | None = None,
@@ -310,7 +319,7 @@ def _launch(
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
-    settings = config.resolve(backend=backend, timeout=timeout)
+    settings = config.resolve(backend=backend, timeout=timeout, checkpoint_mode=checkpoint_mode)
     if total_steps is not None and (isinstance(total_steps, bool) or total_steps < 1):
         raise ValueError(f"total_steps must be a whole number of at least 1; got {total_steps!r}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
@@ -358,9 +367,9 @@ def _launch(
     model = JobModel(job_id, spec.name)
     model.total_steps = total_steps
     reader = EventReader(client, model, on_report=on_report, on_output=on_output)
-    reader.follow()  # the cluster subscribes this client too, before any rank reports
     try:
-        state = _plugin.submit_job(client, spec)
+        # The cluster subscribes this client too, before any rank reports.
+        state = _plugin.submit_job(client, spec, reader.follow)
     except BaseException:
         reader.stop()
         if persisted is not None:
@@ -385,6 +394,7 @@ def launch_script(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    checkpoint_mode: str | None = None,
 ) -> Job:
     """Run a torchrun-style script as ``__main__`` on each rank, as ``python path args``.
 
@@ -401,9 +411,9 @@ def launch_script(
     for each line).
 
     ``workers``, ``min_workers``, ``backend``, ``timeout``, ``max_restarts``,
-    ``checkpoint_dir``, ``keep_last`` and ``storage_options`` mean what they mean for
-    :func:`launch`: a restarted script runs again from its start, and resumes from
-    :func:`dask_ddp.get_checkpoint` or from snapshot files of its own.
+    ``checkpoint_dir``, ``keep_last``, ``storage_options`` and ``checkpoint_mode`` mean
+    what they mean for :func:`launch`: a restarted script runs again from its start, and
+    resumes from :func:`dask_ddp.get_checkpoint` or from snapshot files of its own.
 
     Raises
     ------
@@ -450,6 +460,7 @@ def launch_script(
         checkpoint_dir=checkpoint_dir,
         keep_last=keep_last,
         storage_options=storage_options,
+        checkpoint_mode=checkpoint_mode,
     )
     if files.modules:
         logger.info(

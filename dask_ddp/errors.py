@@ -14,6 +14,8 @@ from typing import Any
 __all__ = [
     "BackendUnavailableError",
     "ChannelError",
+    "CheckpointShardsError",
+    "CheckpointUploadError",
     "DaskDDPError",
     "InfrastructureError",
     "JobCancelledError",
@@ -378,6 +380,64 @@ class CheckpointDirMissingError(DaskDDPError, RuntimeError):
             f"save_checkpoint() on rank {self.rank}: this job has no checkpoint directory. "
             "Launch it with dask_ddp.launch(client, fn, checkpoint_dir='s3://bucket/run1') "
             "(any fsspec URL, or a local path the workers share)."
+        )
+
+
+class CheckpointUploadError(InfrastructureError, OSError):
+    """An asynchronous checkpoint could not be written; raised on the rank that saved it,
+    at its next ``save_checkpoint()`` or when its function ends.
+
+    Examples
+    --------
+    >>> err = CheckpointUploadError(0, 20, "s3://b/run1/checkpoint-000000000020.pt",
+    ...                             "PermissionError: Access Denied", 10)
+    >>> print(err)  # doctest: +ELLIPSIS
+    rank 0 could not write the checkpoint of step 20 to s3://b/run1/checkpoint-...pt: ...
+    """
+
+    def __init__(
+        self, rank: int, step: int, url: str, cause: str, previous: int | None = None
+    ) -> None:
+        super().__init__(rank, step, url, cause, previous)
+        self.rank, self.step, self.url, self.cause = rank, step, url, cause
+        self.previous = previous
+
+    def __reduce__(self) -> tuple[Any, ...]:  # OSError keeps only two of its args
+        return type(self), (self.rank, self.step, self.url, self.cause, self.previous)
+
+    def __str__(self) -> str:
+        kept = (
+            f"the checkpoint of step {self.previous} stays the latest"
+            if self.previous is not None
+            else "no checkpoint of this job is durable yet"
+        )
+        return (
+            f"rank {self.rank} could not write the checkpoint of step {self.step} to "
+            f"{self.url}: {self.cause}. Nothing of it is visible there, and {kept}. Check "
+            "that the workers may write there (credentials, bucket policy, free space); "
+            "launch with checkpoint_mode='sync' to see such errors at the call."
+        )
+
+
+class CheckpointShardsError(DaskDDPError, ValueError):
+    """Per-rank state was saved by a different number of ranks than load it.
+
+    Examples
+    --------
+    >>> print(CheckpointShardsError("s3://b/run1", 40, 4, 2))  # doctest: +ELLIPSIS
+    the newest per-rank checkpoint under s3://b/run1 (step 40) was written by 4 ranks, ...
+    """
+
+    def __init__(self, directory: str, step: int, saved: int, loading: int) -> None:
+        super().__init__(directory, step, saved, loading)
+        self.directory, self.step, self.saved, self.loading = directory, step, saved, loading
+
+    def __str__(self) -> str:
+        return (
+            f"the newest per-rank checkpoint under {self.directory} (step {self.step}) was "
+            f"written by {self.saved} ranks, and this job runs {self.loading}: each rank "
+            "only has its own part. Load a part by number with get_checkpoint(per_rank=True, "
+            "rank=r) and reshard it yourself, or launch with the same number of workers."
         )
 
 

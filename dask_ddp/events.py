@@ -48,7 +48,13 @@ logger = logging.getLogger(__name__)
 #: ``submit_result()`` payload ``[key, path, data]``.
 METRICS = "m"
 RESULT = "r"
+#: A checkpoint that is durable ``[url, step, nbytes, time, stall, world_size]``
+#: (``world_size``: None for the job's state, the ranks of per-rank state).
 CHECKPOINT = "c"
+#: A checkpoint kept in another worker's memory ``[step, holder, world_size, nbytes]``.
+REPLICA = "p"
+#: Where the rank's state came from ``[source, step, where]`` (``"peer"`` or ``"store"``).
+LOADED = "l"
 #: A rank's printed lines ``[stream, text]`` (``"stdout"``/``"stderr"``, lines joined by \n).
 OUTPUT = "o"
 #: A rank's phase or activity ``[phase, detail, time]``: ``phase`` is ``"queued"``,
@@ -235,8 +241,12 @@ class RankChannel:
         self._thread.start()
         _channels.add(self)
 
-    def put(self, kind: str, body: list[Any], caller: str = "report") -> None:
-        """Queue one message; returns at once. Any thread may call it.
+    def put(
+        self, kind: str, body: list[Any], caller: str = "report", *, urgent: bool = False
+    ) -> None:
+        """Queue one message; returns at once. Any thread may call it. An ``urgent`` one
+        (a checkpoint that landed: a restart depends on the supervisor knowing it) is sent
+        at once, with what else is buffered.
 
         Raises
         ------
@@ -254,7 +264,7 @@ class RankChannel:
             n = len(self._buffer)
             if n == 1:
                 self._wake.set()
-            elif n == self._full:
+            if n == self._full or urgent:
                 self._urgent.set()
 
     def put_status(self, phase: str | None, detail: str = "") -> None:
@@ -391,7 +401,8 @@ def _tell(told: dict[str, Any], kind: str, body: list[Any], metric: str | None) 
     """Add a message to what an event tells the job's supervisor in the clear (its
     ``told`` field), so that the scheduler never unpacks a batch: how many records, the
     first one's step and time and the last one (for rates), the curve's points
-    (``metric``'s values), the rank's latest status, and the checkpoints that landed."""
+    (``metric``'s values), the rank's latest status, the checkpoints that landed, their
+    replicas, and where the rank's state came from."""
     if kind == METRICS:
         told["m"] = told.get("m", 0) + 1
         told["last"] = body
@@ -406,6 +417,10 @@ def _tell(told: dict[str, Any], kind: str, body: list[Any], metric: str | None) 
         told["s"] = body
     elif kind == CHECKPOINT:
         told.setdefault("c", []).append(body)
+    elif kind == REPLICA:
+        told.setdefault("p", []).append(body)
+    elif kind == LOADED:
+        told["l"] = body
 
 
 def hold_blob(key: str, msg: list[Any]) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "order_workers",
     "parse_visible_devices",
     "plan_ranks",
+    "replica_holders",
     "rotate_devices",
     "select_workers",
 ]
@@ -176,6 +177,32 @@ def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
                 )
             )
     return plan
+
+
+def replica_holders(
+    plan: Sequence[RankPlacement], spare: Sequence[WorkerInfo] = ()
+) -> list[str | None]:
+    """The worker that keeps each rank's checkpoint replicas in memory: never the rank's
+    own, and on another host when the job spans several (a host that goes down takes no
+    checkpoint with it): the next rank's worker in rank order that is on another host, else
+    the next rank's. A job of one rank keeps its replicas on a ``spare`` worker, if any.
+
+    >>> plan = plan_ranks([WorkerInfo("tcp://a:1", "a"), WorkerInfo("tcp://a:2", "a"),
+    ...                    WorkerInfo("tcp://b:1", "b")])
+    >>> replica_holders(plan)
+    ['tcp://b:1', 'tcp://b:1', 'tcp://a:1']
+    >>> replica_holders(plan_ranks([WorkerInfo("tcp://a:1", "a")]), [WorkerInfo("tcp://c:1", "c")])
+    ['tcp://c:1']
+    """
+    world = len(plan)
+    if world == 1:
+        return [spare[0].address if spare else None]
+    holders: list[str | None] = []
+    for p in plan:
+        after = [plan[(p.rank + i) % world] for i in range(1, world)]
+        elsewhere = [q for q in after if q.host != p.host]
+        holders.append((elsewhere or after)[0].worker)
+    return holders
 
 
 def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tuple[str, str]:

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from . import errors, events
 from ._launcher import Attempt, Launcher, wait_first
+from ._ledger import CheckpointLedger, describe_sources
 from ._progress import Progress, ended_text
 from ._types import JobSpec, JobState, Transition
 from .errors import (
@@ -139,7 +140,9 @@ class Supervisor:
         self.wait_reason: str | None = None
         self.notes: list[str] = []
         self.progress = Progress()
-        self.checkpoints: list[list[Any]] = []  # [url, step, nbytes, rank, time]
+        self.checkpoints: list[list[Any]] = []  # CheckpointInfo's fields, in order
+        self.ledger = CheckpointLedger()  # durable checkpoints and replicas: restarts' source
+        self._replica_drops: set[asyncio.Future[None]] = set()
         self.followers: set[str] = set() if spec.detach or not spec.client else {spec.client}
         self.started = time.time()
         self.finished: float | None = None
@@ -181,14 +184,55 @@ class Supervisor:
                     self._first_step()
             if "s" in told:
                 self.progress.set_status(rank, *told["s"])
-            for url, step, nbytes, when in told.get("c", ()):
-                self.checkpoints.append([url, step, nbytes, rank, when])
+            for url, step, nbytes, when, stall, world in told.get("c", ()):
+                self.checkpoints.append([url, step, nbytes, rank, when, stall, world])
                 del self.checkpoints[:-_CHECKPOINTS_KEPT]
+                self.ledger.landed(rank, url, step, world)
+            for step, holder, world, _nbytes in told.get("p", ()):
+                self._replicated(rank, step, holder, world)
+            if "l" in told:
+                self._loaded(a, rank, told["l"])
         if "end" in msg:
             outcome = msg.get("outcome") or {"ok": True}
             a.markers[rank] = outcome
             self.progress.end(rank, ended_text(outcome))
             self._changed.set()
+
+    def _replicated(self, rank: int, step: int, holder: str, world: int | None) -> None:
+        """A rank's checkpoint is in ``holder``'s memory too; the worker that held the one
+        before (an earlier attempt's holder) lets it go."""
+        before = self.ledger.replicated(rank, step, holder, world)
+        if before is not None:
+            key = (rank if world is not None else 0, world)
+            drop = asyncio.ensure_future(self.launcher.drop_replicas([before], key))
+            self._replica_drops.add(drop)
+            drop.add_done_callback(self._replica_drops.discard)
+
+    def _loaded(self, a: Attempt, rank: int, body: list[Any]) -> None:
+        """A rank loaded its state: ``Job.history`` says where it really came from."""
+        source, step, where = body
+        a.loaded.setdefault(rank, []).append(body)
+        planned = {r.source for r in a.specs[rank].restore} if rank < len(a.specs) else set()
+        if planned and source not in planned:
+            self._note(
+                f"attempt {a.number}: rank {rank} loaded the checkpoint of step {step} from "
+                f"the {source} ({where}), not from the {'+'.join(sorted(planned))} as planned"
+            )
+        sources: set[str] = set()
+        for r, spec in enumerate(a.specs):
+            told = a.loaded.get(r)
+            sources |= {b[0] for b in told} if told else {p.source for p in spec.restore}
+        steps = [b[1] for told in a.loaded.values() for b in told]
+        restored = (describe_sources(sources), max(steps))
+        for i in range(len(self.history) - 1, -1, -1):
+            entry = self.history[i]
+            if entry.state is JobState.RUNNING and entry.attempt == a.number:
+                if (entry.restored_from, entry.restored_step) != restored:
+                    self.history[i] = dataclasses.replace(
+                        entry, restored_from=restored[0], restored_step=restored[1]
+                    )
+                    self._publish()
+                break
 
     def on_task(self, rank: int, finish: str, info: dict[str, Any]) -> None:
         """Rank ``rank``'s task of the current attempt reached ``finish`` (memory, erred)."""
@@ -326,6 +370,7 @@ class Supervisor:
         if self.attempt is not None:
             await self.launcher.unpublish(self.attempt)
             self.plugin.unwatch_keys(self.attempt.keys)
+        restored = self._restore(attempt)
         self.attempt, self._stopping = attempt, None
         self.plugin.watch_keys(self, attempt.keys)
         self.progress.place(attempt.workers)
@@ -333,13 +378,33 @@ class Supervisor:
         self.plugin.pool.demand(self.job_id, self.size.max_workers - len(workers))
         # Clients hear of the placement before any of its ranks can say a word ...
         hosts = len({self.plugin.scheduler.workers[w].host for w in workers})
-        self._transition(JobState.RUNNING, f"{len(workers)} ranks on {hosts} hosts")
+        self._transition(
+            JobState.RUNNING, f"{len(workers)} ranks on {hosts} hosts", restored=restored
+        )
         # ... then of its futures, once any client can read them.
         await self.launcher.publish(attempt)
         self._publish()
         if not self.placed.done():
             self.placed.set_result(None)
         return True
+
+    def _restore(self, attempt: Attempt) -> tuple[str | None, int | None]:
+        """Decide where each rank of a new attempt reads the last checkpoint (a surviving
+        peer's memory, else the store) and tell the ranks; return it in one word, and the
+        checkpoint's step."""
+        plans, source, step = self.ledger.plan(len(attempt.workers), self.plugin.scheduler.workers)
+        if source is None:
+            return None, None
+        self.launcher.restore_from(attempt, plans)
+        where = "; ".join(
+            f"rank {rank}: {', '.join(r.describe() for r in plan)}"
+            for rank, plan in enumerate(plans)
+        )
+        logger.info(
+            "dask-ddp job %s: attempt %d resumes from the checkpoint of step %d (%s): %s",
+            self.job_id, attempt.number, step, source, where,
+        )  # fmt: skip
+        return source, step
 
     def _candidates(self, number: int) -> list[str]:
         """The workers an attempt may run on: the ones asked for (the first attempt of a job
@@ -600,6 +665,8 @@ class Supervisor:
         if self._orphan is not None:
             self._orphan.cancel()
         self.plugin.pool.forget(self.job_id)
+        if self.ledger.holders():  # the job's replicas leave its holders' memory
+            await self.launcher.drop_replicas(sorted(self.ledger.holders()), None)
         if self._datasets is not None:
             await self._datasets.release(self.plugin.client)
         if not self.placed.done():
@@ -610,7 +677,12 @@ class Supervisor:
 
     # -- what it says ---------------------------------------------------------------------
     def _transition(
-        self, state: JobState, reason: str, *, error: BaseException | None = None
+        self,
+        state: JobState,
+        reason: str,
+        *,
+        error: BaseException | None = None,
+        restored: tuple[str | None, int | None] = (None, None),
     ) -> None:
         """Enter ``state``: one history entry, one log line, one message to the clients."""
         a = self.attempt
@@ -630,6 +702,8 @@ class Supervisor:
                 attempt=a.number if a is not None else 0,
                 world_size=len(a.workers) if a is not None and state is not JobState.WAITING else 0,
                 since=self._since if state is JobState.RUNNING else None,
+                restored_from=restored[0],
+                restored_step=restored[1],
             )
         )
         logger.info(

@@ -1,4 +1,6 @@
-"""Shared fixtures: one real LocalCluster (worker processes, gloo) for the whole session.
+"""Shared fixtures: one real LocalCluster (worker processes, gloo) for the whole session, a
+real S3 server (moto) on a free loopback port, and a loopback HTTP proxy in front of it that
+delays or fails requests on purpose.
 
 Tests that kill or restart workers start their own cluster instead.
 """
@@ -6,11 +8,18 @@ Tests that kill or restart workers start their own cluster instead.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
 
+import boto3
 import pytest
 import torch
 from distributed import Client, LocalCluster
+from moto.server import ThreadedMotoServer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,3 +56,203 @@ def own_cluster() -> Iterator[LocalCluster]:
     """A cluster of its own, for tests that kill or restart workers."""
     with make_cluster(2) as cluster:
         yield cluster
+
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of a moto S3 server, with fake credentials in the env.
+
+    The credentials are in the environment so that DataLoader workers (fork and spawn)
+    and code that takes no credentials (like dask-pytorch-ddp's) find them too, and so
+    that no test can reach a real account.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in CREDENTIALS.items():
+            mp.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            mp.delenv(name, raising=False)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_client(s3_endpoint: str):
+    return boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+
+
+@pytest.fixture
+def bucket(s3_client) -> str:
+    """A new, empty bucket for one test."""
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+class FlakyProxy:
+    """A loopback HTTP proxy in front of an S3 server that misbehaves on purpose.
+
+    Request number ``n`` (counting from 1) gets a 5xx answer when ``n % fail_every == 0``
+    (alternately ``500 InternalError`` and ``503 SlowDown``, S3's throttling answer), and
+    its connection is reset (TCP RST, no answer) when ``n % reset_every == 0``. Other
+    requests are forwarded after ``delay`` seconds; ``max_waiting`` is the most requests
+    that were waiting out that delay at once, a lower bound of the client's concurrency.
+    Client connections are kept alive (``connections`` counts them) although moto closes
+    its own after every response: each request gets a new connection to moto.
+    ``on_request(head)``, if given, sees each request's head (its first line: method and
+    path) before it is forwarded: a test acts at a chosen request (kills a worker midway
+    through an upload).
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fail_every: int = 0,
+        reset_every: int = 0,
+        delay: float = 0.0,
+        on_request: Callable[[bytes], None] | None = None,
+    ) -> None:
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.fail_every, self.reset_every, self.delay = fail_every, reset_every, delay
+        self.on_request = on_request
+        self.requests = self.failed = self.reset = self.waiting = self.max_waiting = 0
+        self.connections = 0
+        self._lock = threading.Lock()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() in _serve
+        self._server.close()
+        self._thread.join(timeout=10)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.connections += 1
+        with conn:
+            while True:  # one request after another on this connection
+                head, body = _read_request(conn)
+                if not head:
+                    return  # the client closed it
+                with self._lock:
+                    self.requests += 1
+                    n = self.requests
+                if self.on_request is not None:
+                    self.on_request(head)
+                if self.fail_every and n % self.fail_every == 0:
+                    with self._lock:
+                        self.failed += 1
+                    conn.sendall(_error_response(n))
+                    return
+                if self.reset_every and n % self.reset_every == 0:
+                    with self._lock:
+                        self.reset += 1
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+                if self.delay:
+                    with self._lock:
+                        self.waiting += 1
+                        self.max_waiting = max(self.max_waiting, self.waiting)
+                    time.sleep(self.delay)  # the latency of a distant store
+                    with self._lock:
+                        self.waiting -= 1
+                if not self._forward(conn, head, body):
+                    return
+
+    def _forward(self, conn: socket.socket, head: bytes, body: bytes) -> bool:
+        """Relay one request; True if the client's connection stays open."""
+        with socket.create_connection(self.upstream) as up:
+            up.sendall(_set_connection(head, b"close") + body)
+            response = bytearray()
+            while chunk := up.recv(1 << 20):
+                response += chunk
+        resp_head, _, resp_body = bytes(response).partition(b"\r\n\r\n")
+        framed = b"\r\ncontent-length:" in resp_head.lower() or head.startswith(b"HEAD ")
+        conn.sendall(_set_connection(resp_head, b"keep-alive" if framed else b"close") + resp_body)
+        return framed
+
+
+def _read_request(conn: socket.socket) -> tuple[bytes, bytes]:
+    data = bytearray()
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return b"", b""
+        data += chunk  # a bytearray grows in place: large uploads stay linear
+    head, _, rest = bytes(data).partition(b"\r\n\r\n")
+    body = bytearray(rest)
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+        elif name.strip().lower() == b"expect" and value.strip().lower() == b"100-continue":
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")  # uploads wait for it
+    while len(body) < length:
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n", bytes(body)
+
+
+def _set_connection(head: bytes, value: bytes) -> bytes:
+    lines = [
+        line
+        for line in head.rstrip(b"\r\n").split(b"\r\n")
+        if not line.lower().startswith((b"connection:", b"keep-alive:", b"expect:"))
+    ]
+    return b"\r\n".join([*lines, b"Connection: " + value]) + b"\r\n\r\n"
+
+
+def _error_response(n: int) -> bytes:
+    status, code = ("500 Internal Server Error", "InternalError")
+    if n % 2:
+        status, code = ("503 Slow Down", "SlowDown")
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+        f"<Message>injected by the test proxy</Message><RequestId>{n}</RequestId></Error>"
+    ).encode()
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+@pytest.fixture
+def flaky_proxy(s3_endpoint: str) -> Iterator[type[FlakyProxy]]:
+    """A factory for :class:`FlakyProxy` in front of the moto server; closed after the test."""
+    proxies: list[FlakyProxy] = []
+
+    def make(**kwargs) -> FlakyProxy:
+        proxy = FlakyProxy(s3_endpoint, **kwargs)
+        proxies.append(proxy)
+        return proxy
+
+    yield make  # type: ignore[misc]
+    for proxy in proxies:
+        proxy.close()

@@ -1,15 +1,12 @@
-"""Checkpoint files: atomic, the last N kept, safe loading, local and on a real S3 server."""
+"""Checkpoint files: atomic, the last N kept, safe loading, local and on a real S3 server
+(tests/conftest.py's)."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import boto3
 import pytest
 import torch
-from moto.server import ThreadedMotoServer
 
 from dask_ddp import checkpoint
 from dask_ddp.checkpoint import UnsafeCheckpointError
@@ -69,6 +66,21 @@ def test_unsafe_objects_are_refused(tmp_path: Path) -> None:
         checkpoint.latest(str(d))
 
 
+def test_a_write_that_fails_midway_leaves_nothing(tmp_path: Path, s3_endpoint, bucket) -> None:
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    state = {"w": torch.zeros(1 << 20), "later": Unpicklable()}  # fails after 4 MB
+    opts = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    for d, options in ((str(tmp_path), None), (f"s3://{bucket}/cut", opts)):
+        with pytest.raises(RuntimeError, match="cannot pickle"):
+            checkpoint.write(state, d, step=1, storage_options=options)
+        # fsspec would complete the upload on close: nothing half-written may appear
+        assert checkpoint.list_checkpoints(d, options) == []
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="step"):
         checkpoint.write({}, str(tmp_path), step=-1)
@@ -76,30 +88,9 @@ def test_bad_arguments(tmp_path: Path) -> None:
         checkpoint.write({}, str(tmp_path), step=1, keep_last=0)
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            mp.setenv(name, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        try:
-            yield {"bucket": bucket, "options": {"endpoint_url": endpoint}}
-        finally:
-            server.stop()
-
-
-def test_round_trip_through_s3(s3: dict) -> None:
-    d = f"s3://{s3['bucket']}/run1"
-    opts = {"client_kwargs": {"endpoint_url": s3["options"]["endpoint_url"]}}
+def test_round_trip_through_s3(s3_endpoint: str, bucket: str) -> None:
+    d = f"s3://{bucket}/run1"
+    opts = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     assert checkpoint.latest(d, storage_options=opts) is None
     for step in (3, 7, 9):
         checkpoint.write(_state(step), d, step=step, keep_last=2, storage_options=opts)

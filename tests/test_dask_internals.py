@@ -14,7 +14,7 @@ from distributed import Client
 from distributed.utils_test import poll_for
 
 import dask_ddp
-from dask_ddp import _dask_internals, _topics, events
+from dask_ddp import _dask_internals, _replicas, _topics, events
 
 
 def test_the_installed_distributed_was_checked() -> None:
@@ -24,7 +24,7 @@ def test_the_installed_distributed_was_checked() -> None:
     )
 
 
-# --- used by dask_ddp.events ---
+# --- used by dask_ddp.events and dask_ddp._replicas ---
 async def _echo(text: str = "") -> str:
     return text.upper()
 
@@ -53,9 +53,25 @@ def _serves(name: str, dask_worker=None) -> bool:
     return name in dask_worker.handlers
 
 
+def _call_peer_echo(peer: str) -> str:
+    # From a task's thread on this worker (as a rank's thread calls it), to another worker.
+    worker = distributed.get_worker()
+    return _dask_internals.call_peer(worker, peer, "dask_ddp_test_echo", 10, text="hey")
+
+
+def test_call_peer_calls_another_worker_s_handler_from_a_task(client: Client) -> None:
+    workers = sorted(client.run(_serve_echo, True).values())
+    try:
+        future = client.submit(_call_peer_echo, workers[1], workers=[workers[0]], pure=False)
+        assert future.result(timeout=30) == "HEY"
+    finally:
+        client.run(_serve_echo, False)
+
+
 def test_the_blob_handler_plugin_serves_every_worker(client: Client) -> None:
     dask_ddp.jobs(client)  # dask-ddp's scheduler plugin is installed: it registers it
     assert set(client.run(_serves, events._HANDLER).values()) == {True}
+    assert set(client.run(_serves, _replicas._HANDLER).values()) == {True}
 
 
 def _topic_names(dask_scheduler=None) -> list[str]:

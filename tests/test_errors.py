@@ -35,6 +35,7 @@ def test_each_outcome_of_a_job_is_one_class_to_catch() -> None:
         "WorkerLostError", "ScaleTimeoutError", "TooManyResizesError", "ChannelError",
         "SchedulerPluginError",
         "SampleFetchError", "StorageAccessError", "DatasetPartitionLostError",
+        "CheckpointUploadError",
     }  # fmt: skip
     for name, cls in _public_exceptions().items():
         if cls.__name__ in infrastructure:
@@ -52,6 +53,8 @@ def test_each_outcome_of_a_job_is_one_class_to_catch() -> None:
     assert issubclass(dask_ddp.data.DataNotFoundError, FileNotFoundError)
     assert issubclass(dask_ddp.data.CorruptDataError, ValueError)
     assert issubclass(dask_ddp.RendezvousTimeoutError, TimeoutError)
+    assert issubclass(dask_ddp.CheckpointUploadError, OSError)
+    assert issubclass(dask_ddp.CheckpointShardsError, ValueError)
 
 
 def test_the_job_s_errors_pickle_and_travel_as_plain_values() -> None:
@@ -62,6 +65,8 @@ def test_the_job_s_errors_pickle_and_travel_as_plain_values() -> None:
         dask_ddp.JobCancelledError("3f2a", "no client followed it"),
         dask_ddp.RankStoppedError(0, "ValueError: bad batch", failed_rank=1),
         dask_ddp.RankFailedError(1, "tcp://w:1", "k", "ValueError: x", "Traceback ..."),
+        dask_ddp.CheckpointUploadError(0, 20, "s3://b/r/c.pt", "PermissionError: denied", 10),
+        dask_ddp.CheckpointShardsError("s3://b/r", 40, 4, 2),
     ):
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error)

@@ -47,6 +47,8 @@ def test_the_view_shows_the_error_once_and_marks_the_stopped_rank(client: Client
     job = dask_ddp.launch(client, _fail_on_rank_1)
     with pytest.raises(dask_ddp.RankFailedError):
         job.result(timeout=120)
+    # The outcome comes first; rank 0 is stopped after it (it may never have said a word).
+    assert job.wait_stopped(timeout=60)
     snap = job.view_state()
     assert [r["status"] for r in snap["ranks"]] == ["stopped", "failed"]
     assert snap["ranks"][0]["error"] == "stopped: rank 1 failed"

@@ -108,6 +108,9 @@ RANK_SIDE = {
     "dask_ddp._malloc",
     "dask_ddp.events",
     "dask_ddp.checkpoint",
+    "dask_ddp._saving",
+    "dask_ddp._replicas",
+    "dask_ddp._resume",
 }
 ABOVE_THE_RANKS = {
     "dask_ddp.dispatch",
@@ -119,11 +122,12 @@ ABOVE_THE_RANKS = {
     "dask_ddp._plugin",
     "dask_ddp._pool",
     "dask_ddp._launcher",
+    "dask_ddp._ledger",
     "dask_ddp._dashboard",
 }
 # The supervisor on the scheduler never imports the client's handle and views.
 CLIENT_ONLY = {"dask_ddp.dispatch", "dask_ddp.job", "dask_ddp._model", "dask_ddp._reader"}
-SCHEDULER_SIDE = {"dask_ddp.supervise", "dask_ddp._pool", "dask_ddp._launcher"}
+SCHEDULER_SIDE = {"dask_ddp.supervise", "dask_ddp._pool", "dask_ddp._launcher", "dask_ddp._ledger"}
 
 
 @pytest.mark.parametrize("module", sorted(RANK_SIDE))

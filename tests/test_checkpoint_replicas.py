@@ -1,0 +1,199 @@
+"""Restarts from checkpoints kept in peers' memory, on a real LocalCluster whose workers are
+killed, with the checkpoints on a real S3 server behind a proxy that delays every request.
+
+One cluster for the module (its tests kill workers; the nanny replaces each one). Every run
+trains the same deterministic model, so each restarted run must end with exactly the
+parameters of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dask_ddp
+from dask_ddp import checkpoint
+
+STEPS, EVERY = 12, 3  # checkpoints at steps 2, 5, 8, 11
+
+
+def _train(
+    directory: str, options: dict | None, per_rank: bool, kill_self: bool, settle: bool
+) -> dict:
+    """DDP on a 6 MB layer; per step data fixed by the step. ``settle``: on the first
+    attempt, wait until each checkpoint is durable and replicated (so that what a kill
+    finds is known); ``kill_self``: rank 1 SIGKILLs its own worker at step 7."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = dask_ddp.get_context()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(1024, 1536))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    visible = checkpoint.list_checkpoints(directory, options)
+    # what the store itself loads as the latest, when a restarted attempt begins
+    latest = None
+    if ctx.attempt and ctx.rank == 0 and not per_rank:
+        latest = checkpoint.latest(directory, storage_options=options)[0]
+    start = 0
+    state = dask_ddp.get_checkpoint(per_rank=per_rank)
+    if state is not None:
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"] + 1
+    for step in range(start, STEPS):
+        g = torch.Generator().manual_seed(1000 * step + ctx.rank)
+        opt.zero_grad()
+        model(torch.randn(8, 1024, generator=g)).pow(2).mean().backward()
+        opt.step()
+        if step % EVERY == EVERY - 1:
+            pending = dask_ddp.save_checkpoint(
+                {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
+                step=step,
+                per_rank=per_rank,
+            )
+            if settle and ctx.attempt == 0 and pending is not None:
+                pending.wait(60)
+        if kill_self and ctx.attempt == 0 and ctx.rank == 1 and step == 7:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a preemption would
+    return {
+        "attempt": ctx.attempt,
+        "start": start,
+        "visible": [s for s, _ in visible],
+        "latest": latest,
+        "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def killing_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def reference(killing_cluster: LocalCluster, tmp_path_factory) -> dict:
+    """The parameters of the uninterrupted run."""
+    directory = str(tmp_path_factory.mktemp("reference"))
+    with Client(killing_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        out = dask_ddp.launch(
+            client, _train, args=(directory, None, False, False, False),
+            checkpoint_dir=directory,
+        ).result(timeout=120)  # fmt: skip
+    return out[0]["params"]
+
+
+def _options(endpoint: str) -> dict:
+    # 5 MB blocks: a checkpoint of this model (12.6 MB) is a multipart upload
+    return {"key": "testing", "secret": "testing", "endpoint_url": endpoint,
+            "default_block_size": 5 * 2**20}  # fmt: skip
+
+
+def _rank_1_killed(
+    client: Client, url: str, flaky_proxy, *, per_rank: bool
+) -> tuple[dask_ddp.Job, list[dict], dict]:
+    """Train with checkpoints under ``url`` through a 20 ms proxy while rank 1 SIGKILLs its
+    own worker at step 7 (one restart allowed): the job, its ranks' results, the options."""
+    client.wait_for_workers(2, timeout="60s")
+    options = _options(flaky_proxy(delay=0.02).url)
+    job = dask_ddp.launch(
+        client, _train, args=(url, options, per_rank, True, True), checkpoint_dir=url,
+        storage_options=options, max_restarts=1,
+    )  # fmt: skip
+    return job, job.result(timeout=180), options
+
+
+def _resumed(job: dask_ddp.Job) -> dask_ddp.Transition:
+    return [t for t in job.history if t.state.value == "running"][-1]
+
+
+def _same_params(out: list[dict], reference: dict) -> None:
+    for name, value in reference.items():
+        for o in out:
+            torch.testing.assert_close(o["params"][name], value, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_rank_0_killed_midway_through_an_upload_resumes_from_the_peer_replica(
+    killing_cluster, reference, s3_client, bucket, flaky_proxy
+) -> None:
+    url = f"s3://{bucket}/peer"
+    with Client(killing_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        killed: list[bytes] = []
+        pid: list[int] = []
+
+        def kill_rank_0(head: bytes) -> None:
+            # The first part of step 8's multipart upload (the upload is open, its bytes on
+            # their way): rank 0's worker dies midway through it.
+            first = head.split(b"\r\n", 1)[0]
+            if not killed and b"checkpoint-000000000008.pt?" in first and b"partNumber=1&" in first:
+                killed.append(head)
+                os.kill(pid[0], signal.SIGKILL)
+
+        options = _options(flaky_proxy(delay=0.02, on_request=kill_rank_0).url)
+        job = dask_ddp.launch(
+            client, _train, args=(url, options, False, False, True), checkpoint_dir=url,
+            storage_options=options, max_restarts=1,
+        )  # fmt: skip
+        rank0 = job.workers[0]
+        pid.append(client.run(os.getpid, workers=[rank0])[rank0])
+        out = job.result(timeout=180)
+    assert killed
+    assert [o["attempt"] for o in out] == [1, 1]
+    # When attempt 1 started, step 5 was still the latest: nothing of step 8 was visible.
+    assert out[0]["visible"] == [2, 5]
+    assert out[0]["latest"] == 5  # and it loads from the store, not only from the replica
+    assert [o["start"] for o in out] == [6, 6]
+    resumed = _resumed(job)
+    assert (resumed.attempt, resumed.restored_from, resumed.restored_step) == (1, "peer", 5)
+    _same_params(out, reference)
+    assert [c.step for c in job.checkpoints] == [2, 5, 8, 11]
+
+
+@pytest.mark.slow
+def test_with_the_replica_s_worker_lost_too_it_resumes_from_the_store(
+    killing_cluster, reference, bucket, flaky_proxy
+) -> None:
+    with Client(killing_cluster) as client:
+        # Rank 0 writes; its replicas live on rank 1's worker, which dies.
+        job, out, _ = _rank_1_killed(client, f"s3://{bucket}/store", flaky_proxy, per_rank=False)
+    assert [o["start"] for o in out] == [6, 6]
+    resumed = _resumed(job)
+    assert (resumed.restored_from, resumed.restored_step) == ("store", 5)
+    _same_params(out, reference)
+
+
+@pytest.mark.slow
+def test_per_rank_state_resumes_from_the_replica_that_survived(
+    killing_cluster, reference, bucket, flaky_proxy
+) -> None:
+    url = f"s3://{bucket}/shards"
+    with Client(killing_cluster) as client:
+        job, out, options = _rank_1_killed(client, url, flaky_proxy, per_rank=True)
+        # Rank 0's part was kept on rank 1's worker (lost): from the store; rank 1's part
+        # was kept on rank 0's worker: from there.
+        resumed = _resumed(job)
+        assert (resumed.restored_from, resumed.restored_step) == ("peer+store", 5)
+        assert [o["start"] for o in out] == [6, 6]
+        _same_params(out, reference)
+        shards = checkpoint.list_shards(url, options)
+        assert [(s, w, sorted(f)) for s, w, f in shards][-1] == (11, 2, [0, 1])
+        assert job.wait_stopped(60)
+        job.forget()
+        # The job ended: no worker keeps its replicas any more.
+        held = client.run(_held, job.job_id)
+    assert set(held.values()) == {0}
+
+
+def _held(job_id: str, dask_worker=None) -> int:
+    from dask_ddp._replicas import STORE
+
+    return sum(1 for key in STORE.held() if key[0] == job_id)
