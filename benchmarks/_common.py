@@ -14,7 +14,9 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -83,3 +85,27 @@ def versions(*dists: str) -> str:
             parts.append(f"{dist} not installed")
     parts.append(f"{os.cpu_count()} cores")
     return ", ".join(parts)
+
+
+def start_cluster(tmp: str, workers: int) -> tuple[str, list[subprocess.Popen]]:
+    """A scheduler and ``workers`` worker processes (one thread each) in processes of their
+    own, so that each one's memory can be read. Returns the scheduler file, once the
+    scheduler listens, and the processes, the scheduler last (terminate them when done)."""
+    sched_file = os.path.join(tmp, "scheduler.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "dask", "scheduler", "--scheduler-file", sched_file,
+         "--port", "0", "--dashboard-address", ":0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    nanny = subprocess.Popen(
+        [sys.executable, "-m", "dask", "worker", "--scheduler-file", sched_file,
+         "--nworkers", str(workers), "--nthreads", "1", "--no-dashboard"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sched_file):  # written once the scheduler listens
+        if time.monotonic() > deadline or scheduler.poll() is not None:
+            raise RuntimeError("the scheduler did not start")
+        time.sleep(0.1)
+    return sched_file, [nanny, scheduler]

@@ -30,7 +30,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +41,7 @@ import dask
 import distributed
 import psutil
 import torch
+from _common import start_cluster
 from distributed import Client
 
 import dask_ddp
@@ -292,22 +292,6 @@ def _alternate(
     return out
 
 
-def _start_cluster(tmp: str) -> tuple[str, list[subprocess.Popen], int]:
-    sched_file = os.path.join(tmp, "scheduler.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "dask", "scheduler", "--scheduler-file", sched_file,
-         "--port", "0", "--dashboard-address", ":0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
-    workers = subprocess.Popen(
-        [sys.executable, "-m", "dask", "worker", "--scheduler-file", sched_file,
-         "--nworkers", str(WORLD), "--nthreads", "1", "--no-dashboard"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
-    return sched_file, [workers, scheduler], scheduler.pid
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -325,13 +309,9 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        sched_file, procs, scheduler_pid = _start_cluster(tmp)
+        sched_file, procs = start_cluster(tmp, WORLD)
+        scheduler_pid = procs[-1].pid
         try:
-            deadline = time.monotonic() + 120
-            while not os.path.exists(sched_file):  # written once the scheduler listens
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the scheduler did not start")
-                time.sleep(0.1)
             with Client(scheduler_file=sched_file) as client:
                 client.wait_for_workers(WORLD, timeout="120s")
                 report(client, scheduler_pid, args)

@@ -145,6 +145,29 @@ def fail_task(scheduler: Any, key: Any, exception: bytes) -> bool:
     return True
 
 
+def drop_published_client(scheduler: Any, name: str) -> bool:
+    """Let the scheduler forget the client entry that publishing the dataset ``name`` made,
+    once the dataset is unpublished (it holds no key). Returns whether it did.
+
+    distributed's publish extension holds a dataset's keys for a pseudo-client
+    ``published-<name>`` (``Scheduler.client_desires_keys`` creates its ``ClientState``) and
+    never removes that entry when the dataset is deleted: every name ever published stays
+    in ``Scheduler.clients`` for the scheduler's life. A job publishes one dataset per
+    attempt, so a sweep of 10,000 jobs would leave 10,000 entries.
+
+    Private: ``Scheduler.clients``, ``ClientState.wants_what`` and the pseudo-client's name
+    (``distributed/publish.py``).
+    """
+    from dask.utils import stringify
+
+    client = f"published-{stringify(name)}"
+    state = scheduler.clients.get(client)
+    if state is None or state.wants_what:
+        return False
+    del scheduler.clients[client]
+    return True
+
+
 def max_tick_seconds(dask_scheduler: Any = None) -> float:
     """Run on the scheduler (``Client.run_on_scheduler``): the longest gap between two
     ticks of its event loop so far, in seconds: how long something blocked the loop.

@@ -169,6 +169,16 @@ class Launcher:
             await self._drop_store(run_id, rank0)
             raise
         port = probes[rank0]["store_port"]
+        flush = events.flush_interval(
+            len(plan), settings.event_flush_interval, settings.job_event_rate
+        )
+        if flush > settings.event_flush_interval:
+            logger.info(
+                "job %s: %d ranks send their records every %.2f s, not every %.2f s, to keep "
+                "the job under %g events a second through the scheduler (ddp.job-event-rate)",
+                spec.job_id, len(plan), flush, settings.event_flush_interval,
+                settings.job_event_rate,
+            )  # fmt: skip
         logger.info(
             "job %s: attempt %d, %d ranks on %d hosts, backend %s (%s), rendezvous at %s:%d",
             spec.job_id, number, len(plan), plan[-1].node_rank + 1, backend, why, hosts[rank0],
@@ -194,7 +204,7 @@ class Launcher:
                 allow_daemon_children=settings.allow_daemon_children,
                 tune_malloc=settings.tune_malloc,
                 placement=p,
-                event_flush_interval=settings.event_flush_interval,
+                event_flush_interval=flush,
                 max_event_bytes=settings.max_event_bytes,
                 datasets=shares[p.rank],
                 can_grow=can_grow,
@@ -264,6 +274,7 @@ class Launcher:
         """Let the cluster forget the attempt's futures (and the values they hold)."""
         with contextlib.suppress(KeyError, OSError):  # gone already, or the scheduler is closing
             await self.client.unpublish_dataset(attempt.dataset)
+        _dask_internals.drop_published_client(self.scheduler, attempt.dataset)
         for future in attempt.futures:
             future.release()
         attempt.futures, attempt.published = [], False

@@ -166,6 +166,7 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     def remove_client(self, scheduler: Any, client: str) -> None:
         scheduler.extensions["publish"].datasets.pop(_order_mark(client), None)
+        _dask_internals.drop_published_client(scheduler, _order_mark(client))
         for job in list(self.jobs.values()):
             job.unfollow(client)
 

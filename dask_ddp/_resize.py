@@ -11,10 +11,12 @@ checkpoint with more ranks. Jobs that cannot grow never pay for this.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
-from ._slot import PROCESS, RankRun
+from ._slot import RankRun, this_slot
 
 _GROW, _GO = b"grow", b"go"
+_WAITING = "dask-ddp/grow-waiting"  # the step the other ranks wait at, for release_waiters
 
 
 class GrowAtCheckpoint(BaseException):
@@ -37,16 +39,33 @@ def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
     that grows restarts from this checkpoint: every rank waits until what it saved is
     durable (an asynchronous save returned before) before it stops.
     """
-    key = f"dask-ddp/grow-at-{step}"
+    key = _word(step)
     if rank == 0:
-        grow = PROCESS.take_grow_request(run.job_id)
+        grow = this_slot().take_grow_request(run.job_id)
         if grow and run.saver is not None:
             run.saver.flush()
         run.store.set(key, _GROW if grow else _GO)
     else:
+        # A stop (bootstrap.abort_rank) cannot reach a thread inside the C++ wait: say which
+        # step is waited for, so that release_waiters can end the wait.
+        run.store.set(_WAITING, str(step))
         run.store.wait([key], timedelta(seconds=timeout))
         grow = run.store.get(key) == _GROW
         if grow and run.saver is not None:
             run.saver.flush()
     if grow:
         raise GrowAtCheckpoint(step)
+
+
+def release_waiters(store: Any, mark: bytes) -> None:
+    """End the wait of ranks waiting for rank 0's word at a checkpoint, with ``mark`` as the
+    word: the stop that called this is pending in their threads and is raised as soon as the
+    wait returns. Without it, a rank stopped there (rank 0 failed or was stopped before its
+    checkpoint) would wait out the collective timeout and cost its worker a restart.
+    """
+    if store.check([_WAITING]):
+        store.compare_set(_word(int(store.get(_WAITING))), "", mark)
+
+
+def _word(step: int) -> str:
+    return f"dask-ddp/grow-at-{step}"

@@ -8,6 +8,12 @@ Everything the rank side used to keep in module globals lives here: the running 
 :func:`dask_ddp.bootstrap.abort_rank`), the job stores opened before launch, and what the
 user's function sees through :mod:`dask_ddp.context` (context, channel, checkpoints,
 datasets).
+
+A process that hosts many Dask workers to simulate ranks (:mod:`dask_ddp._lanes`, which
+measures the control plane at 1,000 ranks on a few processes) gives each worker a slot of
+its own instead, a *lane* (:func:`host_lanes`): rank code finds its slot with
+:func:`slot_for` (a worker's handlers) and :func:`this_slot` (the rank's own thread), which
+are :data:`PROCESS` everywhere else.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +32,17 @@ if TYPE_CHECKING:
 
     from .events import RankChannel
 
-__all__ = ["PROCESS", "CheckpointSettings", "ProcessSlot", "RankContext", "RankRun", "Restore"]
+__all__ = [
+    "PROCESS",
+    "CheckpointSettings",
+    "ProcessSlot",
+    "RankContext",
+    "RankRun",
+    "Restore",
+    "host_lanes",
+    "slot_for",
+    "this_slot",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -350,3 +367,44 @@ class ProcessSlot:
 
 #: This process's slot.
 PROCESS = ProcessSlot()
+
+# Worker -> its own slot, in a process that hosts lanes (None everywhere else).
+_lanes: weakref.WeakKeyDictionary[Any, ProcessSlot] | None = None
+_lanes_lock = threading.Lock()
+
+
+def host_lanes() -> None:
+    """Give each Dask worker of this process a slot of its own (a lane), from now on.
+
+    For simulated ranks only (:mod:`dask_ddp._lanes`): the ranks of one process then run at
+    once, sharing its environment, thread count and streams, so the rank task leaves those
+    alone, and a rank must not start a process group (two in one process fail in torch).
+    """
+    global _lanes
+    with _lanes_lock:
+        if _lanes is None:
+            _lanes = weakref.WeakKeyDictionary()
+
+
+def slot_for(worker: Any) -> ProcessSlot:
+    """The slot a rank on ``worker`` (a ``distributed.Worker``) runs in: :data:`PROCESS`,
+    unless this process hosts lanes."""
+    if _lanes is None:
+        return PROCESS
+    with _lanes_lock:
+        slot = _lanes.get(worker)
+        if slot is None:
+            slot = _lanes[worker] = ProcessSlot()
+        return slot
+
+
+def this_slot() -> ProcessSlot:
+    """The slot of the rank calling (from its own thread, in a process hosting lanes)."""
+    if _lanes is None:
+        return PROCESS
+    from distributed import get_worker
+
+    try:
+        return slot_for(get_worker())
+    except ValueError:  # not in a worker at all
+        return PROCESS

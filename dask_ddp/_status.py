@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._slot import PROCESS, RankRun
+from ._slot import RankRun, this_slot
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def phase(name: str, detail: str = "") -> None:
 
     >>> phase(RUNNING)  # outside a rank: nothing happens
     """
-    send(PROCESS.current(), name, detail)
+    send(this_slot().current(), name, detail)
 
 
 def activity(text: str) -> None:
@@ -64,7 +64,7 @@ def activity(text: str) -> None:
     >>> activity("listing s3://bucket/train")
     """
     logger.info("%s", text)
-    send(PROCESS.current(), None, text)
+    send(this_slot().current(), None, text)
 
 
 # -- following a file or directory -----------------------------------------------------
@@ -175,7 +175,7 @@ def follow(path: str, describe: Callable[[], str | None]) -> Callable[[], None]:
     >>> stop = follow("/tmp", lambda: "cache: 10 of 100 files")
     >>> stop()
     """
-    run = PROCESS.current()
+    run = this_slot().current()
     if run is None or run.channel is None or run.pid != os.getpid():
         return lambda: None
 

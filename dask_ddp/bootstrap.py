@@ -38,7 +38,15 @@ from . import (
     _traceback,
     events,
 )
-from ._slot import PROCESS, CheckpointSettings, RankContext, RankRun, Restore
+from ._slot import (
+    PROCESS,
+    CheckpointSettings,
+    ProcessSlot,
+    RankContext,
+    RankRun,
+    Restore,
+    slot_for,
+)
 from .context import _activated
 from .errors import RankStoppedError, RendezvousTimeoutError, RetryableError, WorkerBusyError
 from .placement import RankPlacement
@@ -135,13 +143,13 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def _open_store(job_id: str, host: str, timeout: float) -> int:
+def _open_store(job_id: str, host: str, timeout: float, slot: ProcessSlot) -> int:
     import torch.distributed as dist
 
     store = dist.TCPStore(
         host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
-    PROCESS.put_store(job_id, store)
+    slot.put_store(job_id, store)
     return store.port
 
 
@@ -155,11 +163,14 @@ async def probe_worker(
     import runs in a thread so the worker's event loop stays responsive.
     """
     loop = asyncio.get_running_loop()
+    slot = slot_for(dask_worker)
     gpus = await loop.run_in_executor(None, _gpu_count)
     port = None
     if dask_worker.address == store_worker:
-        port = await loop.run_in_executor(None, _open_store, job_id, dask_worker.ip, store_timeout)
-    active = PROCESS.current()
+        port = await loop.run_in_executor(
+            None, _open_store, job_id, dask_worker.ip, store_timeout, slot
+        )
+    active = slot.current()
     return {
         "gpu_count": gpus,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -170,12 +181,12 @@ async def probe_worker(
 
 def drop_store(job_id: str, dask_worker: Any = None) -> bool:
     """Close the job's store if no rank took it (the job failed or was cancelled first)."""
-    return PROCESS.take_store(job_id) is not None
+    return slot_for(dask_worker).take_store(job_id) is not None
 
 
 def request_grow(job_id: str, dask_worker: Any = None) -> bool:
     """Ask ``job_id``'s rank 0 (on this worker) to stop at its next checkpoint to grow."""
-    PROCESS.request_grow(job_id)
+    slot_for(dask_worker).request_grow(job_id)
     return True
 
 
@@ -189,12 +200,13 @@ def abort_rank(
     rank blocked inside a C++ collective only sees it once the collective returns; the
     client restarts such workers after a grace period.
     """
-    with PROCESS.lock:
-        active = PROCESS.current()
+    slot = slot_for(dask_worker)
+    with slot.lock:
+        active = slot.current()
         if active is None or active.job_id != job_id:
             # Its rank may be on its way (the task started, the rank not yet): it will stop
             # as soon as it does, instead of running after its job was stopped.
-            PROCESS.stop_before_start(job_id, reason, failed_rank)
+            slot.stop_before_start(job_id, reason, failed_rank)
             return False
         if not active.running:
             return False
@@ -210,7 +222,7 @@ def abort_rank(
 
 
 @contextlib.contextmanager
-def _claim_slot(spec: RankSpec, run: RankRun) -> Iterator[RankRun]:
+def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> Iterator[RankRun]:
     def queued(holder: RankRun) -> None:
         # Another job's rank in this process (a worker with several threads): queue behind
         # it, as Dask queues tasks on a single-threaded worker.
@@ -220,11 +232,11 @@ def _claim_slot(spec: RankSpec, run: RankRun) -> Iterator[RankRun]:
             f"waiting for job {holder.job_id} (rank {holder.rank}) to finish on this worker",
         )
 
-    if not PROCESS.claim(run, spec.rendezvous_timeout, on_wait=queued):
-        holder = PROCESS.current()
+    if not slot.claim(run, spec.rendezvous_timeout, on_wait=queued):
+        holder = slot.current()
         raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
     try:
-        stopped = PROCESS.stopped_before_start(spec.job_id)
+        stopped = slot.stopped_before_start(spec.job_id)
         if stopped is not None:  # the client stopped the job while this task was starting
             reason, failed_rank = stopped
             raise RankStoppedError(
@@ -234,7 +246,7 @@ def _claim_slot(spec: RankSpec, run: RankRun) -> Iterator[RankRun]:
     finally:
         # The process group goes after the task returns (the slot stays taken until then):
         # gloo's teardown would otherwise add about 20 ms to every job's end.
-        PROCESS.release(run, after=_release_process_group)
+        slot.release(run, after=_release_process_group)
 
 
 def _torchrun_env(spec: RankSpec) -> dict[str, str]:
@@ -319,11 +331,11 @@ def _thread_share(spec: RankSpec) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _connect_store(spec: RankSpec) -> Any:
+def _connect_store(spec: RankSpec, slot: ProcessSlot = PROCESS) -> Any:
     import torch.distributed as dist
 
     if spec.placement.rank == 0:
-        store = PROCESS.take_store(spec.job_id)
+        store = slot.take_store(spec.job_id)
         if store is None:
             raise RendezvousTimeoutError(
                 0,
@@ -394,7 +406,8 @@ _STAGES = ("joined", "initialised")
 
 
 def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
-    """Wake every rank of a job that waits in :func:`_rendezvous`, marked as aborted.
+    """Wake every rank of a job that waits in :func:`_rendezvous` or for rank 0's word at a
+    checkpoint (:func:`dask_ddp._resize.at_checkpoint`), marked as aborted.
 
     A thread inside the C++ ``store.wait`` cannot take the asynchronous exception that
     :func:`abort_rank` raises; without this a cancelled job's ranks would wait out the
@@ -406,6 +419,7 @@ def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
         store = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=timeout))
         for stage in _STAGES:
             store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
+        _resize.release_waiters(store, _ABORTED)  # or at a checkpoint of an elastic job
     except Exception:  # the store is gone: nobody waits on it
         logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
 
@@ -465,17 +479,14 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
     run = RankRun(
         spec.job_id, spec.key, p.rank, channel=channel, master=(spec.master_addr, spec.master_port)
     )
+    slot = slot_for(worker)
     value, error = None, None
     try:
         with (
-            _claim_slot(spec, run),
-            _patched_environ(_torchrun_env(spec)),
-            _thread_share(spec),
-            _process.children_allowed(spec.allow_daemon_children),
-            _process.platform_start_method(),
-            _malloc.tuned(spec.tune_malloc),
+            _claim_slot(spec, run, slot),
+            _process_settings(spec) if slot is PROCESS else contextlib.nullcontext(),
         ):
-            value = _run_in_slot(fn, args, kwargs, spec, run, worker)
+            value = _run_in_slot(fn, args, kwargs, spec, run, worker, slot)
     except BaseException as exc:
         error = exc
         raise
@@ -490,15 +501,34 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _process_settings(spec: RankSpec) -> Iterator[None]:
+    """What a rank sets for its whole process while it runs, restored after it."""
+    with (
+        _patched_environ(_torchrun_env(spec)),
+        _thread_share(spec),
+        _process.children_allowed(spec.allow_daemon_children),
+        _process.platform_start_method(),
+        _malloc.tuned(spec.tune_malloc),
+    ):
+        yield
+
+
 def _run_in_slot(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, spec: RankSpec, run: RankRun, worker: Any
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    spec: RankSpec,
+    run: RankRun,
+    worker: Any,
+    slot: ProcessSlot,
 ) -> Any:
-    """Join the process group and run ``fn`` in ``run``, which holds the process's slot."""
+    """Join the process group and run ``fn`` in ``run``, which holds ``slot``."""
     import torch
     import torch.distributed as dist
 
     p = spec.placement
-    store = run.store = _connect_store(spec)  # kept until the task ends, for slow peers
+    store = run.store = _connect_store(spec, slot)  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
     if p.use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(0)
@@ -544,17 +574,18 @@ def _run_in_slot(
     try:
         with (
             _activated(run, ctx, checkpointing, spec.datasets, saver, resumer),
-            _output.forwarded(run.channel),
+            # A lane shares its process's streams with the other lanes: nothing to forward.
+            _output.forwarded(run.channel) if slot is PROCESS else contextlib.nullcontext(),
         ):
             return fn(*args, **kwargs)
     except BaseException as exc:
-        PROCESS.stop_running(run)
+        slot.stop_running(run)
         if run.abort_reason is not None:
             raise RankStoppedError(
                 p.rank, run.abort_reason, job=spec.job_id, failed_rank=run.abort_failed_rank
             ) from exc
         first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
-        with PROCESS.lock:
+        with slot.lock:
             _process.sever(run.links)
         if isinstance(exc, _resize.GrowAtCheckpoint):
             # Every rank stops here (rank 0 recorded it first, for a rank that skipped the
@@ -564,7 +595,7 @@ def _run_in_slot(
             raise RankStoppedError(p.rank, first[1], failed_rank=first[0]) from exc
         raise
     finally:
-        PROCESS.stop_running(run)
+        slot.stop_running(run)
 
 
 def _checkpointing(

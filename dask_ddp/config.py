@@ -52,6 +52,7 @@ class Settings:
     tune_malloc: bool = True
     max_event_bytes: int = 65536
     event_flush_interval: float = 0.2
+    job_event_rate: float = 2000.0
     event_drain_timeout: float = 10.0
     scale_timeout: float = 300.0
     orphan_timeout: float = 600.0
@@ -77,6 +78,16 @@ def _bytes(value: Any, key: str) -> int:
         raise ValueError(f"ddp.{key} must be a size such as '64kB'; got {value!r}") from None
     if number <= 0:
         raise ValueError(f"ddp.{key} must be a positive size such as '64kB'; got {value!r}")
+    return number
+
+
+def _rate(value: Any, key: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ddp.{key} must be a number of events a second; got {value!r}") from None
+    if not number > 0:
+        raise ValueError(f"ddp.{key} must be a positive number such as 2000; got {value!r}")
     return number
 
 
@@ -138,6 +149,7 @@ def resolve(
         tune_malloc=bool(get("ddp.tune-malloc")),
         max_event_bytes=_bytes(get("ddp.max-event-bytes"), "max-event-bytes"),
         event_flush_interval=_seconds(get("ddp.event-flush-interval"), "event-flush-interval"),
+        job_event_rate=_rate(get("ddp.job-event-rate"), "job-event-rate"),
         event_drain_timeout=_seconds(get("ddp.event-drain-timeout"), "event-drain-timeout"),
         scale_timeout=_seconds(get("ddp.scale-timeout"), "scale-timeout"),
         orphan_timeout=_seconds(get("ddp.orphan-timeout"), "orphan-timeout"),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import _resize
 from . import checkpoint as _checkpoint
 from . import events as _events
-from ._slot import PROCESS, CheckpointSettings, RankContext, RankRun
+from ._slot import CheckpointSettings, RankContext, RankRun, this_slot
 from .errors import CheckpointDirMissingError, NotInRankError
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ __all__ = [
 
 def _active_run(caller: str) -> RankRun:
     """This process's rank run while the user's function runs, or NotInRankError."""
-    run = PROCESS.current()
+    run = this_slot().current()
     if run is None or run.context is None:
         raise NotInRankError(caller)
     return run
@@ -65,7 +65,7 @@ def get_context() -> RankContext:
     >>> dask_ddp.launch(client, train).result()  # doctest: +SKIP
     [0, 1]
     """
-    run = PROCESS.current()
+    run = this_slot().current()
     if run is None or run.context is None:
         raise NotInRankError("get_context")
     return run.context

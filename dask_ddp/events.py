@@ -74,6 +74,21 @@ def job_topic(job_id: str) -> str:
     return f"dask-ddp-{job_id}"
 
 
+def flush_interval(ranks: int, interval: float, rate: float) -> float:
+    """How often each rank of a job of ``ranks`` ranks sends its buffered messages:
+    every ``interval`` seconds (``ddp.event-flush-interval``), or less often, so that the
+    job's ranks together send the scheduler at most ``rate`` events a second
+    (``ddp.job-event-rate``). The scheduler's cost is per event (a read, a relay, a write,
+    whatever the batch holds): a fixed interval would make it grow with the job.
+
+    >>> flush_interval(256, 0.2, 2000)
+    0.2
+    >>> flush_interval(1000, 0.2, 2000)
+    0.5
+    """
+    return max(interval, ranks / rate)
+
+
 # -- the worker plugin serving large messages --------------------------------------------
 class BlobHandler(WorkerPlugin):
     """Serves large rank messages held on a worker to the client (see :func:`fetch_blob`).

@@ -214,6 +214,21 @@ def test_fail_task_fails_a_task_without_a_worker(client: Client) -> None:
     assert client.run_on_scheduler(_fail_it) is False  # not without a worker any more
 
 
+def _published_client(name: str, drop: bool, dask_scheduler=None) -> tuple[bool, bool]:
+    dropped = _dask_internals.drop_published_client(dask_scheduler, name) if drop else False
+    return dropped, f"published-{name}" in dask_scheduler.clients
+
+
+def test_drop_published_client_forgets_what_unpublishing_leaves(client: Client) -> None:
+    name = "dask-ddp-test-published"
+    client.publish_dataset(client.submit(time.time, pure=False), name=name)
+    # Held: the entry stays while the dataset holds its key.
+    assert client.run_on_scheduler(_published_client, name, True) == (False, True)
+    client.unpublish_dataset(name)
+    assert client.run_on_scheduler(_published_client, name, False) == (False, True)  # the leak
+    assert client.run_on_scheduler(_published_client, name, True) == (True, False)
+
+
 def test_the_scheduler_s_longest_tick(client: Client) -> None:
     client.run_on_scheduler(_dask_internals.reset_max_tick)
     assert 0 <= client.run_on_scheduler(_dask_internals.max_tick_seconds) < 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -300,3 +301,34 @@ def test_the_docs_example_shrinks_and_grows(tmp_path: Path) -> None:
     assert sizes == ["3", "2", "3"]
     assert reasons[0].startswith("shrink: rank ") and "was lost: its worker" in reasons[0]
     assert reasons[1].startswith("grow at the checkpoint of step ")
+
+
+def _rank0_fails_before_its_checkpoint() -> int:
+    """Rank 1 saves a checkpoint and waits there for rank 0's word (the job may grow);
+    rank 0 fails once rank 1 waits, before its own checkpoint."""
+    from datetime import timedelta
+
+    from dask_ddp._slot import this_slot
+
+    ctx = dask_ddp.get_context()
+    if ctx.rank == 0:  # rank 1 says in the job's store which step it waits at, then waits
+        this_slot().current().store.wait(["dask-ddp/grow-waiting"], timedelta(seconds=60))
+        raise ValueError("rank 0 fails before its checkpoint")
+    dask_ddp.save_checkpoint({"step": 1}, step=1)
+    return ctx.rank
+
+
+def test_a_rank_waiting_at_a_checkpoint_is_stopped_without_a_restart(tmp_path: Path) -> None:
+    # Rank 1 waits inside the C++ store wait, where the stop cannot reach it; without its
+    # release it would wait out the collective timeout and its worker would be restarted.
+    with make_cluster(2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        pids = client.run(os.getpid)
+        job = dask_ddp.launch(
+            client, _rank0_fails_before_its_checkpoint,
+            workers=3, min_workers=2, checkpoint_dir=str(tmp_path), max_restarts=0,
+        )  # fmt: skip
+        error = job.exception(timeout=120)
+        assert isinstance(error, dask_ddp.RankFailedError) and error.rank == 0, error
+        job.wait_stopped(timeout=60)
+        assert client.run(os.getpid) == pids  # no worker was restarted

@@ -444,6 +444,49 @@ def test_channel_settings_are_resolved_on_the_client() -> None:
         config.resolve()
 
 
+def _spaced_reports(n: int, gap: float) -> int:
+    for i in range(n):
+        dask_ddp.report({"loss": 1.0 / (i + 1)}, step=i)
+        time.sleep(gap)
+    return n
+
+
+def _events_per_rank(client: Client, job: dask_ddp.Job) -> list[int]:
+    counts = [0, 0]
+    for _, msg in client.get_events(events.job_topic(job.job_id)):
+        if isinstance(msg.get("rank"), int):  # not the supervisor's own messages
+            counts[msg["rank"]] += 1
+    return counts
+
+
+def test_job_event_rate_makes_each_rank_of_a_job_send_fewer_events(client: Client) -> None:
+    # 8 reports 0.15 s apart: at the default flush interval (0.2 s) nearly one event each;
+    # at 0.5 events/s for 2 ranks, one flush per 4 s per rank: the first record, the rest
+    # together when the rank ends.
+    job = dask_ddp.launch(client, _spaced_reports, args=(8, 0.15))
+    assert job.result(timeout=120) == [8, 8]
+    assert min(_events_per_rank(client, job)) >= 5
+    with dask.config.set({"ddp.job-event-rate": 0.5}):
+        job = dask_ddp.launch(client, _spaced_reports, args=(8, 0.15))
+    assert job.result(timeout=120) == [8, 8]
+    assert len(job.metrics) == 16  # fewer events, every record
+    assert max(_events_per_rank(client, job)) <= 3
+
+
+def test_job_event_rate_bounds_a_large_job_s_flush_interval() -> None:
+    from dask_ddp import config
+
+    assert config.resolve().job_event_rate == 2000
+    # Up to 400 ranks the interval is ddp.event-flush-interval; beyond, N / rate.
+    assert events.flush_interval(400, 0.2, 2000) == 0.2
+    assert events.flush_interval(4000, 0.2, 2000) == 2.0
+    with (
+        dask.config.set({"ddp.job-event-rate": 0}),
+        pytest.raises(ValueError, match="job-event-rate must be a positive number"),
+    ):
+        config.resolve()
+
+
 def test_the_curve_reads_a_loss_that_falls_five_decades() -> None:
     import math
 
