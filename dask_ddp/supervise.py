@@ -768,8 +768,9 @@ class Supervisor:
         }
 
     def summary(self) -> dict[str, Any]:
-        """What the ``/ddp/`` page draws: the live view's state, capped (200 curve points
-        and 16 values a rank, the last 20 notes, no printed output)."""
+        """What the ``/ddp/`` page draws: the live view's state, capped (each rank's values
+        and curve as :meth:`Progress.page_ranks <dask_ddp._progress.Progress.page_ranks>`
+        caps them, the last 20 notes, no printed output)."""
         a = self.attempt
         error = self.error
         return {
@@ -782,7 +783,7 @@ class Supervisor:
             "elapsed": (self.finished or time.time()) - self.started,
             "attempts": a.number + 1 if a is not None else 0,
             "records": self.progress.records,
-            "ranks": self.progress.ranks(curve_points=200, values=16),
+            "ranks": self.progress.page_ranks(),
             "metric": self.progress.metric,
             "error": None if error is None else first_line(error),
             "traceback": getattr(error, "rank_traceback", None) or None,

@@ -329,11 +329,27 @@ def test_the_scheduler_keeps_a_capped_summary_of_each_job() -> None:
     for step in range(5000):
         values = {f"m{k}": float(k) for k in range(100)} | {"loss": 1.0 / (step + 1)}
         progress.add(0, step, float(step), values, n=10)
-    (rank,) = progress.ranks(curve_points=200, values=16)
+    (rank,) = progress.page_ranks()
     assert rank["count"] == 50_000 and rank["step"] == 4999
     assert len(rank["curve"]) <= 201 and rank["curve"][-1] == [4999.0, 1.0 / 5000]
     assert len(rank["last"]) == 16
     assert len(progress.progress[0].curve) < 800  # what it holds, thinned as it goes
+
+
+def test_the_page_of_a_large_job_stays_small() -> None:
+    """The page's curve points are shared among the ranks: a 1,000-rank job's summary
+    holds about 20,000 points, not 200 for each rank (which made 1-1.5 MB of JSON)."""
+    from dask_ddp._progress import Progress
+
+    progress = Progress()
+    progress.place([f"tcp://10.0.{r // 250}.{r % 250}:1" for r in range(1000)])
+    for step in range(400):
+        for r in range(1000):
+            progress.add(r, step, float(step), {"loss": 1.0 / (step + 1)})
+    ranks = progress.page_ranks()
+    assert sum(len(r["curve"]) for r in ranks) <= 21_000  # 20 a rank, and each one's last
+    assert all(r["curve"][-1] == [399.0, 1.0 / 400] for r in ranks)
+    assert len(json.dumps(ranks)) < 1_000_000
 
 
 def test_finished_jobs_past_max_jobs_are_forgotten_oldest_first(own_cluster) -> None:
