@@ -46,6 +46,45 @@ def call_peer(worker: Any, address: str, handler: str, timeout: float | None, **
     return sync(worker.loop, call, callback_timeout=timeout)
 
 
+def call_peer_each(
+    worker: Any,
+    address: str,
+    handler: str,
+    timeout: float | None,
+    calls: Sequence[dict[str, Any]],
+    on_reply: Callable[[int, Any], bool],
+    window: int = 2,
+) -> bool:
+    """Make the calls :func:`call_peer` would make one by one, at most ``window`` in
+    flight, and hand each answer to ``on_reply(index, reply)`` (on the worker's event loop)
+    as it arrives, so that it can be dropped before the next is read; ``on_reply``
+    returns False to stop. Returns False if it was stopped. Used by
+    :meth:`dask_ddp._replicas.PeerLink.fetch` to read a replica piece by piece.
+    """
+    import asyncio
+
+    from distributed.utils import sync
+
+    async def run() -> bool:
+        rpc = worker.rpc(address)
+        todo = iter(enumerate(calls))  # shared: each lane takes the next call
+        stopped = False
+
+        async def lane() -> None:
+            nonlocal stopped
+            for index, kwargs in todo:
+                if stopped:
+                    return
+                reply = await getattr(rpc, handler)(**kwargs)
+                if not on_reply(index, reply):
+                    stopped = True
+
+        await asyncio.gather(*(lane() for _ in range(max(1, window))))
+        return not stopped
+
+    return sync(worker.loop, run, callback_timeout=timeout)
+
+
 def drop_topic(topic: str, client_id: str | None, dask_scheduler: Any = None) -> bool:
     """Let the scheduler's event broker forget ``topic`` and the events it keeps for it:
     once no subscriber but ``client_id`` is left, or at once with ``client_id=None`` (the

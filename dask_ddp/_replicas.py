@@ -22,6 +22,7 @@ storage round trip; the supervisor decides, attempt by attempt, which copy each 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from typing import Any
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["STORE", "PeerLink", "ReplicaPlugin", "ReplicaStore", "drop_job"]
 
 _HANDLER = "dask_ddp_replica"
+#: A replica travels to a restarted rank in pieces of this many bytes: each lands in the
+#: rank's buffer before the next is read, and stays under glibc's largest mmap threshold,
+#: so that the pieces' memory is reused rather than mapped and faulted in afresh.
+PIECE = 16 * 2**20
 #: A store refuses a replica that would take its worker's memory past this fraction of the
 #: worker's memory limit (the fraction at which Dask pauses a worker by default).
 HEADROOM = 0.8
@@ -47,6 +52,7 @@ class _Entry:
     step: int | None  # None: room reserved, the bytes are on their way
     nbytes: int
     data: Any = None
+    serial: int = 0  # which put: pieces of one replica all come from the same
 
 
 def process_memory() -> int:
@@ -78,7 +84,8 @@ class ReplicaStore:
     >>> store.reserve(("3f2a", 0, None), 3, budget=10, memory=None)
     >>> store.put(("3f2a", 0, None), 5, b"abc")
     True
-    >>> bytes(store.get(("3f2a", 0, None), 5)), store.get(("3f2a", 0, None), 4)
+    >>> data, serial = store.get(("3f2a", 0, None), 5)
+    >>> bytes(data), store.get(("3f2a", 0, None), 4)
     (b'abc', None)
     >>> store.reserve(("9c1d", 0, None), 8, budget=10, memory=None)
     'it holds 3 bytes of replicas already, and 8 more would pass its 10 bytes'
@@ -89,6 +96,7 @@ class ReplicaStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Key, _Entry] = {}
+        self._serials = itertools.count(1)
 
     @property
     def nbytes(self) -> int:
@@ -129,13 +137,17 @@ class ReplicaStore:
             if entry is None or entry.step is not None:
                 return False  # not reserved (dropped meanwhile: the job ended)
             entry.step, entry.data, entry.nbytes = step, data, len(data)
+            entry.serial = next(self._serials)
             return True
 
-    def get(self, key: Key, step: int) -> Any:
-        """``key``'s replica of ``step``, or None if it holds another step or none."""
+    def get(self, key: Key, step: int) -> tuple[Any, int] | None:
+        """``key``'s replica of ``step`` and which put it came from, or None if it holds
+        another step or none."""
         with self._lock:
             entry = self._entries.get(key)
-            return entry.data if entry is not None and entry.step == step else None
+            if entry is None or entry.step != step:
+                return None
+            return entry.data, entry.serial
 
     def drop(self, job: str, key: tuple[int, int | None] | None = None) -> int:
         """Forget ``job``'s replicas (only that of ``key``, ``(writer, world size)``, if
@@ -166,11 +178,15 @@ def _handle(
     nbytes: int = 0,
     fraction: float = 0.0,
     data: Any = None,
+    offset: int = 0,
+    length: int | None = None,
     *,
     remote: bool = True,
 ) -> dict[str, Any]:
     """``reserve``, ``put``, ``get`` or ``drop`` a replica of this process's store, for
-    another worker (``remote``: bytes travel as their own frames) or a rank of this one."""
+    another worker (``remote``: bytes travel as their own frames) or a rank of this one.
+    ``get`` answers ``length`` bytes from ``offset`` (all by default) and the replica's
+    size."""
     key = (job, writer, world_size)
     if action == "reserve":
         limit = memory_limit(worker)
@@ -181,14 +197,19 @@ def _handle(
     if action == "put":
         return {"status": "OK" if STORE.put(key, step, data) else "missing"}
     if action == "get":
-        found = STORE.get(key, step)
-        if found is None:
+        held = STORE.get(key, step)
+        if held is None:
             return {"status": "missing"}
+        found, serial = held
+        size = len(found)
+        if offset or (length is not None and length < size):
+            end = size if length is None else offset + length
+            found = memoryview(found).cast("B")[offset:end]
         if remote:
             from distributed.protocol import to_serialize
 
             found = to_serialize(found)
-        return {"status": "OK", "data": found}
+        return {"status": "OK", "data": found, "nbytes": size, "serial": serial}
     if action == "drop":
         return {"status": "OK", "dropped": STORE.drop(job)}
     return {"status": "error", "why": f"unknown action {action!r}"}
@@ -231,10 +252,14 @@ class PeerLink:
         The job's id (the same for all its attempts).
     timeout : float
         Seconds one call may take before it counts as failed.
+    piece : int
+        Bytes a fetched replica travels in, a call each (:data:`PIECE`).
     """
 
-    def __init__(self, worker: Any, job: str, *, timeout: float = 300.0) -> None:
-        self.worker, self.job, self.timeout = worker, job, timeout
+    def __init__(
+        self, worker: Any, job: str, *, timeout: float = 300.0, piece: int = PIECE
+    ) -> None:
+        self.worker, self.job, self.timeout, self.piece = worker, job, timeout, piece
 
     def _call(self, holder: str, **kwargs: Any) -> dict[str, Any]:
         if holder == self.worker.address:  # this process's own store: no connection
@@ -263,8 +288,39 @@ class PeerLink:
         return None if reply.get("status") == "OK" else "the job's replicas were dropped"
 
     def fetch(self, holder: str, writer: int, world_size: int | None, step: int) -> Any:
-        """The bytes of ``writer``'s checkpoint of ``step`` held by ``holder``, or None."""
-        reply = self._call(
-            holder, action="get", job=self.job, writer=writer, world_size=world_size, step=step
-        )
-        return reply.get("data") if reply.get("status") == "OK" else None
+        """The bytes of ``writer``'s checkpoint of ``step`` held by ``holder``, or None.
+
+        From this process's own store: the store's bytes themselves (read them, never
+        write). From another worker: a ``torch.uint8`` tensor of this rank's own, filled
+        piece by piece (``piece`` bytes, two in flight), so that the pieces land in
+        one aligned buffer that loaded tensors may share (:func:`dask_ddp.checkpoint.load`)
+        and at most two pieces are held twice.
+        """
+        key = {"job": self.job, "writer": writer, "world_size": world_size, "step": step}
+        local = holder == self.worker.address
+        piece = self.piece
+        first = self._call(holder, action="get", length=None if local else piece, **key)
+        if first.get("status") != "OK":
+            return None
+        if local:
+            return first["data"]
+        import torch
+
+        size = first["nbytes"]
+        buffer = torch.empty(size, dtype=torch.uint8)
+        into = buffer.numpy()
+
+        def land(index: int, reply: dict[str, Any]) -> bool:
+            if reply.get("status") != "OK" or reply["serial"] != first["serial"]:
+                return False  # dropped or put again meanwhile
+            data = memoryview(reply["data"]).cast("B")
+            into[index * piece : index * piece + len(data)] = data
+            return True
+
+        calls = [dict(key, action="get", offset=at, length=piece) for at in range(0, size, piece)]
+        land(0, first)
+        complete = _dask_internals.call_peer_each(
+            self.worker, holder, _HANDLER, self.timeout, calls[1:],
+            lambda i, reply: land(i + 1, reply),
+        )  # fmt: skip
+        return buffer if complete else None

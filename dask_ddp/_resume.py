@@ -11,6 +11,7 @@ really came from (a ``LOADED`` event), which ``Job.history`` shows.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -115,21 +116,27 @@ class Resumer:
         return max(steps, default=None)
 
     def _from_peer(self, plan: Restore, per_rank: bool) -> tuple[int, Any] | None:
-        """``(step, state)`` from the replica the plan names, or None (then the store)."""
-        newest = self._newest_durable(per_rank)
+        """``(step, state)`` from the replica the plan names, or None (then the store).
+
+        The store is listed while the replica travels (a fresh worker's first listing
+        costs as much as a fetch): a newer durable checkpoint than the plan's wins.
+        """
+        why = "it is no longer there"
+        data = None
+        with concurrent.futures.ThreadPoolExecutor(1, "dask-ddp-list") as lister:
+            listed = lister.submit(self._newest_durable, per_rank)
+            if self._peer is not None:
+                try:
+                    data = self._peer.fetch(plan.holder, plan.writer, plan.world_size, plan.step)
+                except (OSError, TimeoutError) as exc:  # the holder left meanwhile
+                    why = f"{type(exc).__name__}: {exc}"
+            newest = listed.result()
         if newest is not None and newest > plan.step:
             logger.info(
                 "rank %d: the store holds the checkpoint of step %d, newer than %s; loading "
                 "that one", self.rank, newest, plan.describe(),
             )  # fmt: skip
             return None
-        why = "it is no longer there"
-        data = None
-        if self._peer is not None:
-            try:
-                data = self._peer.fetch(plan.holder, plan.writer, plan.world_size, plan.step)
-            except (OSError, TimeoutError) as exc:  # the holder left meanwhile
-                why = f"{type(exc).__name__}: {exc}"
         if data is None:
             logger.warning(
                 "rank %d: could not read %s (%s); loading the checkpoint from %s instead",

@@ -452,8 +452,13 @@ def prune_shards(
 
 
 def load(source: Any, url: str, *, map_location: torch.device | str | None = None) -> Any:
-    """``torch.load(source, weights_only=True)``: a file object or ``torch.save``'s bytes
-    (a replica held in a peer's memory) from ``url``.
+    """``torch.load(source, weights_only=True)``: a file object, ``torch.save``'s bytes (a
+    replica held in a peer's memory), or those bytes in a ``torch.uint8`` tensor the caller
+    gives away (a replica fetched from a peer), from ``url``.
+
+    Loaded from such a tensor, the state's tensors on the CPU are views of it, as
+    ``torch.load(path, mmap=True)``'s are of the file: nothing is copied, and the buffer
+    lives as long as any of them.
 
     Raises
     ------
@@ -462,7 +467,12 @@ def load(source: Any, url: str, *, map_location: torch.device | str | None = Non
     """
     import torch
 
-    if isinstance(source, (bytes, bytearray, memoryview)):
+    if isinstance(source, torch.Tensor):
+        state = _load_in_place(source, map_location)
+        if state is not _NOT_IN_PLACE:
+            return state
+        source = source.numpy()  # torch.load copies it into storages of its own
+    if not hasattr(source, "read"):
         source = _BytesReader(source)
     try:
         return torch.load(source, map_location=map_location, weights_only=True)
@@ -470,6 +480,36 @@ def load(source: Any, url: str, *, map_location: torch.device | str | None = Non
         if "weights_only" in str(exc) or "Weights only load failed" in str(exc):
             raise UnsafeCheckpointError(url, str(exc).splitlines()[0]) from exc
         raise
+
+
+_NOT_IN_PLACE = object()
+
+
+def _load_in_place(buffer: torch.Tensor, map_location: Any) -> Any:
+    """``torch.load``'s own ``mmap=True`` path with ``buffer`` in place of the mapped file:
+    each storage is a slice of ``buffer``'s. :data:`_NOT_IN_PLACE` where that path is not
+    there (a torch that moved it) or the bytes do not load through it; :func:`load` then
+    takes the public path, which copies, and raises what it raises.
+
+    Private: ``torch.serialization._open_zipfile_reader`` and ``_load`` (its
+    ``overall_storage`` argument), and ``torch._weights_only_unpickler``, as in torch 2.14;
+    ``tests/test_checkpoint.py`` checks that the storages are shared with this torch.
+    """
+    try:
+        from torch import _weights_only_unpickler, serialization
+
+        reader = _BytesReader(buffer.numpy())
+        with serialization._open_zipfile_reader(reader) as archive:
+            return serialization._load(
+                archive,
+                map_location,
+                _weights_only_unpickler,
+                overall_storage=buffer.untyped_storage(),
+                weights_only=True,
+            )
+    except Exception as exc:  # the public path says what is wrong
+        logger.debug("a replica does not load in place (%s); copying it", exc)
+        return _NOT_IN_PLACE
 
 
 class _BytesReader(io.RawIOBase):

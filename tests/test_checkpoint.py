@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,42 @@ def test_unsafe_objects_are_refused(tmp_path: Path) -> None:
     torch.save({"obj": Arbitrary()}, d / "checkpoint-000000000001.pt")
     with pytest.raises(UnsafeCheckpointError, match="weights_only=True"):
         checkpoint.latest(str(d))
+
+
+def _saved(state: dict) -> torch.Tensor:
+    """``torch.save``'s bytes in a uint8 tensor: a replica as a restarted rank fetches it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _inside(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return 0 <= tensor.data_ptr() - buffer.data_ptr() < buffer.numel()
+
+
+def test_a_fetched_replica_loads_in_place(monkeypatch) -> None:
+    buffer = _saved(_state(3))
+    loaded = checkpoint.load(buffer, "replica")
+    _assert_state(loaded, 3)
+    # every tensor is a view of the buffer (torch.load's mmap path, with this torch)
+    assert _inside(loaded["model"]["w"], buffer) and _inside(loaded["model"]["b"], buffer)
+    # where torch changed that path, it still loads, through torch.load (a copy)
+    real = torch.serialization._load
+
+    def without_overall_storage(*args, overall_storage=None, **kwargs):
+        if overall_storage is not None:
+            raise TypeError("_load() got an unexpected keyword argument 'overall_storage'")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.serialization, "_load", without_overall_storage)
+    copied = checkpoint.load(buffer, "replica")
+    _assert_state(copied, 3)
+    assert not _inside(copied["model"]["w"], buffer)
+
+
+def test_a_fetched_replica_with_unsafe_objects_is_refused() -> None:
+    with pytest.raises(UnsafeCheckpointError, match="weights_only=True"):
+        checkpoint.load(_saved({"obj": Arbitrary()}), "replica")
 
 
 def test_a_write_that_fails_midway_leaves_nothing(tmp_path: Path, s3_endpoint, bucket) -> None:

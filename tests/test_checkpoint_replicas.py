@@ -197,3 +197,86 @@ def _held(job_id: str, dask_worker=None) -> int:
     from dask_ddp._replicas import STORE
 
     return sum(1 for key in STORE.held() if key[0] == job_id)
+
+
+# --- a replica fetched piece by piece (PeerLink, worker to worker) ---
+def _hold(job_id: str, step: int, data: bytes, dask_worker=None) -> None:
+    from dask_ddp._replicas import STORE
+
+    STORE.reserve((job_id, 0, None), len(data), budget=2**40, memory=None)
+    assert STORE.put((job_id, 0, None), step, data)
+
+
+def _fetch(job_id: str, holder: str, step: int, piece: int) -> tuple[str, bytes | None, bool]:
+    from distributed import get_worker
+
+    from dask_ddp._replicas import PeerLink
+
+    got = PeerLink(get_worker(), job_id, piece=piece).fetch(holder, 0, None, step)
+    if got is None:
+        return "none", None, False
+    aligned = isinstance(got, torch.Tensor) and got.data_ptr() % 64 == 0
+    return type(got).__name__, bytes(got.numpy() if isinstance(got, torch.Tensor) else got), aligned
+
+
+def _put_again_and_again(job_id: str, step: int, versions: list[bytes], dask_worker=None) -> int:
+    """Put ``versions`` of the same step in turn for a while (as a second save of one step
+    would): a fetch running meanwhile must never mix pieces of two."""
+    import time
+
+    from dask_ddp._replicas import STORE
+
+    deadline, puts = time.monotonic() + 3, 0
+    while time.monotonic() < deadline:
+        data = versions[puts % len(versions)]
+        STORE.reserve((job_id, 0, None), len(data), budget=2**40, memory=None)
+        STORE.put((job_id, 0, None), step, data)
+        puts += 1
+        time.sleep(0.001)
+    return puts
+
+
+@pytest.fixture
+def holder_and_reader(killing_cluster: LocalCluster) -> Iterator[tuple[Client, str, str]]:
+    from dask_ddp._replicas import ReplicaPlugin
+
+    with Client(killing_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        client.register_plugin(ReplicaPlugin())
+        holder, reader = sorted(client.scheduler_info()["workers"])
+        yield client, holder, reader
+
+
+def test_a_replica_arrives_whole_in_pieces_into_an_aligned_buffer(holder_and_reader) -> None:
+    client, holder, reader = holder_and_reader
+    data = os.urandom(100_003)  # 13 pieces of 8,000 bytes, the last one short
+    client.run(_hold, "pieces", 4, data, workers=[holder])
+    kind, got, aligned = client.submit(
+        _fetch, "pieces", holder, 4, 8_000, workers=[reader], pure=False
+    ).result(timeout=60)
+    assert (kind, got == data, aligned) == ("Tensor", True, True)
+    # another step than the one held: nothing, and the caller falls back to the store
+    missing = client.submit(_fetch, "pieces", holder, 5, 8_000, workers=[reader], pure=False)
+    assert missing.result(timeout=60)[0] == "none"
+    # from its own worker's store: the store's bytes themselves, not a copy
+    kind, got, _ = client.submit(
+        _fetch, "pieces", holder, 4, 8_000, workers=[holder], pure=False
+    ).result(timeout=60)
+    assert kind != "Tensor" and got == data
+
+
+def test_a_replica_put_again_while_it_travels_is_never_mixed(holder_and_reader) -> None:
+    client, holder, reader = holder_and_reader
+    versions = [bytes([v]) * 400_000 for v in range(3)]
+    client.run(_hold, "mixed", 1, versions[0], workers=[holder])
+    putting = client.submit(
+        _put_again_and_again, "mixed", 1, versions, workers=[holder], pure=False
+    )
+    seen = []
+    while not putting.done():
+        _, got, _ = client.submit(
+            _fetch, "mixed", holder, 1, 1_000, workers=[reader], pure=False
+        ).result(timeout=60)
+        seen.append(got)
+    assert putting.result() > 10
+    assert all(got is None or got in versions for got in seen), "pieces of two puts mixed"
