@@ -79,7 +79,12 @@ def call_peer_each(
                 if not on_reply(index, reply):
                     stopped = True
 
-        await asyncio.gather(*(lane() for _ in range(max(1, window))))
+        lanes = [asyncio.ensure_future(lane()) for _ in range(max(1, window))]
+        try:
+            await asyncio.gather(*lanes)
+        finally:  # one failed (the peer left) or this was cancelled: the others stop too
+            for task in lanes:
+                task.cancel()
         return not stopped
 
     return sync(worker.loop, run, callback_timeout=timeout)

@@ -258,7 +258,9 @@ def get_checkpoint(*, per_rank: bool = False, rank: int | None = None) -> Any:
     None when the job has no ``checkpoint_dir`` or nothing was saved there yet. After a
     restart it comes from where the job's supervisor found the last checkpoint: the
     replica in a surviving worker's memory when there is one (no storage round trip),
-    else the store; :attr:`Job.history <dask_ddp.Job.history>` says which. A file that
+    else the store; :attr:`Job.history <dask_ddp.Job.history>` says which. A replica
+    fetched from another worker is loaded in place: its CPU tensors share one buffer, which
+    lives as long as any of them (copy what you keep, as ``load_state_dict`` does). A file that
     does not load (cut short by a crash) is skipped for the one before it. Loading uses
     ``torch.load(weights_only=True)``: tensors, dicts, lists, tuples, numbers and strings
     come back; anything else raises :class:`~dask_ddp.checkpoint.UnsafeCheckpointError`.

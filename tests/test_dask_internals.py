@@ -68,6 +68,37 @@ def test_call_peer_calls_another_worker_s_handler_from_a_task(client: Client) ->
         client.run(_serve_echo, False)
 
 
+def _call_peer_each(peer: str, stop_at: int | None) -> tuple[bool, list[tuple[int, str]]]:
+    worker = distributed.get_worker()
+    got: list[tuple[int, str]] = []
+
+    def on_reply(index: int, reply: str) -> bool:
+        got.append((index, reply))
+        return index != stop_at
+
+    calls = [{"text": f"piece {i}"} for i in range(9)]
+    done = _dask_internals.call_peer_each(
+        worker, peer, "dask_ddp_test_echo", 10, calls, on_reply, window=3
+    )
+    return done, got
+
+
+def test_call_peer_each_hands_over_every_answer_with_its_index_and_stops_when_told(
+    client: Client,
+) -> None:
+    workers = sorted(client.run(_serve_echo, True).values())
+    try:
+        each = client.submit(_call_peer_each, workers[1], None, workers=[workers[0]], pure=False)
+        done, got = each.result(timeout=30)
+        assert done and sorted(got) == [(i, f"PIECE {i}") for i in range(9)]
+        stop = client.submit(_call_peer_each, workers[1], 2, workers=[workers[0]], pure=False)
+        done, got = stop.result(timeout=30)
+        # stopped: the calls in flight when it was told may still land, no new one starts
+        assert not done and (2, "PIECE 2") in got and len(got) <= 5
+    finally:
+        client.run(_serve_echo, False)
+
+
 def test_the_blob_handler_plugin_serves_every_worker(client: Client) -> None:
     dask_ddp.jobs(client)  # dask-ddp's scheduler plugin is installed: it registers it
     assert set(client.run(_serves, events._HANDLER).values()) == {True}
