@@ -235,6 +235,23 @@ class Launcher:
             for spec, plan in zip(attempt.specs, plans, strict=True)
         ]
 
+    async def held_replicas(
+        self, workers: Sequence[str]
+    ) -> dict[str, list[tuple[int, int | None, int]]]:
+        """The job's replicas each of ``workers`` (those alive) keeps: ``(writer, world
+        size, step)``; a worker that does not answer is left out."""
+        alive = sorted(set(workers) & set(self.scheduler.workers))
+        if not alive:
+            return {}
+        try:
+            held = await self.client.run(
+                _replicas.held_for, self.spec.job_id, workers=alive, on_error="return"
+            )
+        except Exception:
+            logger.debug("job %s: could not ask for replicas", self.spec.job_id, exc_info=True)
+            return {}
+        return {w: entries for w, entries in held.items() if isinstance(entries, list)}
+
     async def drop_replicas(self, workers: Sequence[str], key: tuple[int, Any] | None) -> None:
         """Forget the job's replicas on ``workers`` (those of ``key``, ``(writer, world
         size)``, only, if given) at the job's end, or when they moved elsewhere."""

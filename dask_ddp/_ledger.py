@@ -68,6 +68,24 @@ class CheckpointLedger:
         self.replicas[key] = (step, holder)
         return before[1] if before is not None and before[1] != holder else None
 
+    def found(self, writer: int, world_size: int | None, step: int, holder: str) -> bool:
+        """``holder`` says it keeps ``writer``'s replica of ``step`` (the writer's own word
+        may have died with its worker): record it if that checkpoint is known durable and
+        newer than the replica known; return whether it was.
+
+        >>> ledger = CheckpointLedger()
+        >>> ledger.landed(0, "s3://b/r/checkpoint-000000000010.pt", 10, None)
+        >>> ledger.found(0, None, 10, "tcp://w2:1"), ledger.found(0, None, 12, "tcp://w2:1")
+        (True, False)
+        """
+        key = (world_size, writer if world_size is not None else 0)
+        known = self.replicas.get(key)
+        durable = writer in self.durable.get(world_size, {}).get(step, {})
+        if not durable or (known is not None and known[0] >= step):
+            return False
+        self.replicas[key] = (step, holder)
+        return True
+
     def holders(self) -> set[str]:
         """Every worker holding a replica of the job."""
         return {holder for _, holder in self.replicas.values()}

@@ -33,7 +33,7 @@ from . import _dask_internals
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STORE", "PeerLink", "ReplicaPlugin", "ReplicaStore", "drop_job"]
+__all__ = ["STORE", "PeerLink", "ReplicaPlugin", "ReplicaStore", "drop_job", "held_for"]
 
 _HANDLER = "dask_ddp_replica"
 #: A replica travels to a restarted rank in pieces of this many bytes: each lands in the
@@ -239,6 +239,16 @@ def drop_job(job: str, key: tuple[int, int | None] | None = None, dask_worker: A
     """Run on a worker (``Client.run``): forget every replica of ``job`` (it ended), or the
     one of ``key``, ``(writer, world size)`` (it moved to another worker)."""
     return STORE.drop(job, None if key is None else (key[0], key[1]))
+
+
+def held_for(job: str, dask_worker: Any = None) -> list[tuple[int, int | None, int]]:
+    """Run on a worker (``Client.run``): ``(writer, world size, step)`` of each replica of
+    ``job`` it keeps."""
+    return [
+        (writer, world, step)
+        for (held_job, writer, world), step in STORE.held().items()
+        if held_job == job and step is not None
+    ]
 
 
 class PeerLink:

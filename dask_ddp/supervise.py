@@ -370,6 +370,7 @@ class Supervisor:
         if self.attempt is not None:
             await self.launcher.unpublish(self.attempt)
             self.plugin.unwatch_keys(self.attempt.keys)
+            await self._find_replicas(self.attempt)
         restored = self._restore(attempt)
         self.attempt, self._stopping = attempt, None
         self.plugin.watch_keys(self, attempt.keys)
@@ -387,6 +388,22 @@ class Supervisor:
         if not self.placed.done():
             self.placed.set_result(None)
         return True
+
+    async def _find_replicas(self, last: Attempt) -> None:
+        """Ask the workers that keep the job's replicas what they hold before planning the
+        next attempt: a rank's word that its replica landed is lost when its worker dies
+        right after (SIGKILL within milliseconds), while the replica itself is safe."""
+        holders = self.ledger.holders() | {s.replica_holder for s in last.specs if s.replica_holder}
+        if not holders:
+            return
+        for holder, entries in (await self.launcher.held_replicas(sorted(holders))).items():
+            for writer, world, step in entries:
+                if self.ledger.found(writer, world, step, holder):
+                    logger.info(
+                        "dask-ddp job %s: %s keeps the replica of rank %d's checkpoint of "
+                        "step %d, which its rank did not get to announce",
+                        self.job_id, holder, writer, step,
+                    )  # fmt: skip
 
     def _restore(self, attempt: Attempt) -> tuple[str | None, int | None]:
         """Decide where each rank of a new attempt reads the last checkpoint (a surviving

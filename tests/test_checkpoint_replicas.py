@@ -199,6 +199,53 @@ def _held(job_id: str, dask_worker=None) -> int:
     return sum(1 for key in STORE.held() if key[0] == job_id)
 
 
+def _unannounced(directory: str, go: str) -> dict:
+    """Rank 0 saves step 3 (its replica kept on rank 1's worker) but never says the
+    replica landed, as when its worker is SIGKILLed just after; once told (the Event
+    ``go``), it is killed. The next attempt reports where its state came from."""
+    from distributed import Event
+
+    from dask_ddp import _saving, events
+
+    ctx = dask_ddp.get_context()
+    state = dask_ddp.get_checkpoint()
+    if ctx.attempt == 0:
+        if ctx.rank == 0:  # the patch dies with this worker
+            say = _saving.Saver._say
+            _saving.Saver._say = lambda self, kind, body: (
+                None if kind == events.REPLICA else say(self, kind, body)
+            )
+        pending = dask_ddp.save_checkpoint({"w": torch.arange(1000.0), "step": 3}, step=3)
+        if pending is not None:
+            pending.wait(60)
+            Event(go).wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.distributed.barrier()  # fails once rank 0 is gone
+    return {"step": state["step"], "w": state["w"].sum().item()}
+
+
+@pytest.mark.slow
+def test_a_replica_its_rank_did_not_announce_is_found_on_its_holder(
+    killing_cluster, tmp_path
+) -> None:
+    from distributed import Event
+
+    with Client(killing_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        go = Event(f"go-{tmp_path.name}", client=client)
+        job = dask_ddp.launch(
+            client, _unannounced, args=(str(tmp_path), go.name), checkpoint_dir=str(tmp_path),
+            max_restarts=1,
+        )  # fmt: skip
+        # the supervisor knows the checkpoint is durable, not that it was replicated
+        job.view_state(lambda _: bool(job.checkpoints), timeout=60)
+        go.set()
+        out = job.result(timeout=120)
+    assert out == [{"step": 3, "w": 499500.0}] * 2
+    resumed = _resumed(job)
+    assert (resumed.attempt, resumed.restored_from, resumed.restored_step) == (1, "peer", 3)
+
+
 # --- a replica fetched piece by piece (PeerLink, worker to worker) ---
 def _hold(job_id: str, step: int, data: bytes, dask_worker=None) -> None:
     from dask_ddp._replicas import STORE
