@@ -542,9 +542,16 @@ class _BytesReader(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
+        import numpy
+
         out = memoryview(buffer).cast("B")
         n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos : self._pos + n]
+        # numpy copies without the GIL (a memoryview slice assignment holds it for the
+        # whole copy: 10-13 ms per 64 MB, while the worker's event loop serves a peer)
+        numpy.copyto(
+            numpy.frombuffer(out, numpy.uint8, n),
+            numpy.frombuffer(self._view, numpy.uint8, n, self._pos),
+        )
         self._pos += n
         return n
 
