@@ -2,7 +2,7 @@
 of distributed's private API behind one door (``dask_ddp/_dask_internals.py``, whose own
 tests name the distributed versions it was checked against).
 
-Size is not checked here: a module is as long as what it owns needs (see DESIGN.md).
+Size is not checked here: a module is as long as what it owns needs (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -216,3 +216,14 @@ def test_the_pattern_finds_what_it_should() -> None:
         "client.scheduler.address",
     ):
         assert not PRIVATE_DISTRIBUTED.search(line), line
+
+
+def test_every_module_has_its_line_in_the_design() -> None:
+    """docs/design.md says what each module owns: a module added without its line fails here."""
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    parts = design.split("## Parts and what each owns", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"[\w/]+\.py|\w+/", parts))
+    own = [p.name for p in MODULES if p.parent == PACKAGE and p.name != "_version.py"]
+    own += [f"{d.name}/" for d in PACKAGE.iterdir() if (d / "__init__.py").exists()]
+    missing = sorted(set(own) - named)
+    assert not missing, f"docs/design.md, 'Parts and what each owns', does not name {missing}"
