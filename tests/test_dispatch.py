@@ -318,6 +318,13 @@ def test_get_context_outside_a_rank() -> None:
         dask_ddp.get_context()
 
 
+def _dump_on_crash(worker_id: int) -> None:
+    """A forked loader worker segfaulted once in CI (not seen since): its stack, if again."""
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+
+
 def _load_with_workers(context: str | None) -> list[int]:
     import multiprocessing
 
@@ -325,7 +332,11 @@ def _load_with_workers(context: str | None) -> list[int]:
 
     data = TensorDataset(torch.arange(32))
     mp = multiprocessing.get_context(context) if context else None
-    loader = DataLoader(data, batch_size=8, num_workers=2, multiprocessing_context=mp)
+    # a spawned child would have to import this test module to run it
+    init = None if context == "spawn" else _dump_on_crash
+    loader = DataLoader(
+        data, batch_size=8, num_workers=2, multiprocessing_context=mp, worker_init_fn=init
+    )
     return sorted(int(v) for (batch,) in loader for v in batch)
 
 
