@@ -14,7 +14,7 @@ from collections.abc import Container
 
 from ._slot import Restore
 
-__all__ = ["CheckpointLedger", "describe_sources"]
+__all__ = ["CheckpointLedger", "describe_sources", "writer_rank"]
 
 _STEPS_KEPT = 16  # durable steps remembered per kind of checkpoint
 
@@ -26,6 +26,12 @@ def describe_sources(sources: set[str]) -> str | None:
     ('peer', 'peer+store', None)
     """
     return "+".join(sorted(sources)) or None
+
+
+def writer_rank(rank: int, world_size: int | None) -> int:
+    """The rank a checkpoint is filed under: its own for per-rank state (``world_size``
+    given), 0 for the job's state, whichever rank reported it."""
+    return rank if world_size is not None else 0
 
 
 class CheckpointLedger:
@@ -54,7 +60,7 @@ class CheckpointLedger:
 
     def landed(self, rank: int, url: str, step: int, world_size: int | None) -> None:
         """Rank ``rank``'s checkpoint of ``step`` is durable at ``url``."""
-        writer = rank if world_size is not None else 0
+        writer = writer_rank(rank, world_size)
         steps = self.durable.setdefault(world_size, {})
         steps.setdefault(step, {})[writer] = url
         for old in sorted(steps)[:-_STEPS_KEPT]:
@@ -63,7 +69,7 @@ class CheckpointLedger:
     def replicated(self, rank: int, step: int, holder: str, world_size: int | None) -> str | None:
         """Rank ``rank``'s checkpoint of ``step`` is in ``holder``'s memory too; return the
         worker that held its replica before, if it is another one (to drop it there)."""
-        key = (world_size, rank if world_size is not None else 0)
+        key = (world_size, writer_rank(rank, world_size))
         before = self.replicas.get(key)
         self.replicas[key] = (step, holder)
         return before[1] if before is not None and before[1] != holder else None
@@ -78,7 +84,7 @@ class CheckpointLedger:
         >>> ledger.found(0, None, 10, "tcp://w2:1"), ledger.found(0, None, 12, "tcp://w2:1")
         (True, False)
         """
-        key = (world_size, writer if world_size is not None else 0)
+        key = (world_size, writer_rank(writer, world_size))
         known = self.replicas.get(key)
         durable = writer in self.durable.get(world_size, {}).get(step, {})
         if not durable or (known is not None and known[0] >= step):

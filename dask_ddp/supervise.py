@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from . import errors, events
 from ._launcher import Attempt, Launcher, wait_first
-from ._ledger import CheckpointLedger, describe_sources
+from ._ledger import CheckpointLedger, describe_sources, writer_rank
 from ._progress import Progress, ended_text
 from ._types import JobSpec, JobState, Transition
 from .errors import (
@@ -203,7 +203,7 @@ class Supervisor:
         before (an earlier attempt's holder) lets it go."""
         before = self.ledger.replicated(rank, step, holder, world)
         if before is not None:
-            key = (rank if world is not None else 0, world)
+            key = (writer_rank(rank, world), world)
             drop = asyncio.ensure_future(self.launcher.drop_replicas([before], key))
             self._replica_drops.add(drop)
             drop.add_done_callback(self._replica_drops.discard)
