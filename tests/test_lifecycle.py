@@ -1,0 +1,532 @@
+"""A job's life as a model: thousands of random fact sequences through ``_lifecycle.step``,
+the invariants checked after every fact.
+
+:class:`World` plays everything around the supervisor: the cluster's workers (killed,
+restarted by their nanny under a new address, joining), other jobs holding some of them,
+the pool, the rank processes on the workers (queued, running, ended) and what the actions
+``step`` returns do there, answered late and in any order, the way the scheduler's loop
+interleaves them. It also keeps the truth ``step`` never sees (which worker still runs a
+rank of the job), so that it can check that a worker is given back only once it is clean.
+
+The invariants (issue 36): a job in a final state holds no workers, and its final state is
+published only then; a worker goes back to the pool only when no rank of the job runs on
+it; every job reaches a final state once its ranks have ended or its workers are gone; a
+cancel in any state gives every worker back within ``ddp.failure-grace`` plus one worker
+restart; a grow never counts as a failure; restarts and resizes stay within their bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import random
+from typing import Any
+
+import pytest
+
+from dask_ddp import _lifecycle as lc
+from dask_ddp._protocol import RankOutcome, Verdict
+from dask_ddp._types import JobState
+
+SEQUENCES = int(os.environ.get("DASK_DDP_MODEL_SEQUENCES", "5000"))
+
+
+class InvariantBroken(AssertionError):
+    pass
+
+
+@dataclasses.dataclass
+class Proc:
+    """A rank's task on a worker, as it really is."""
+
+    attempt: int
+    rank: int
+    worker: str
+    state: str = "queued"  # queued, running, ended, dead
+    doomed: bool = False  # an abort found it queued: it ends at once when it starts
+    told_stop: bool = False  # an abort reached it while it ran
+
+
+class World:
+    """The cluster around one job, driven by a seeded random generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        rng = self.rng
+        self.seed = seed
+        lo = rng.choice([1, 2, 2, 3])
+        hi = lo + rng.choice([0, 0, 1, 2])
+        self.policy = lc.Policy(
+            min_workers=lo,
+            max_workers=hi,
+            max_restarts=rng.choice([0, 1, 3, 6]),
+            max_resizes=rng.choice([None, 0, 2, 5]),
+            failure_grace=5.0,
+            drain=10.0,
+            scale_timeout=300.0,
+            orphan_timeout=600.0,
+        )
+        self.names = itertools.count()
+        self.cluster: set[str] = {self.new_name() for _ in range(rng.choice([0, 1, 2, 3, 4]))}
+        self.pool: dict[str, str] = {}  # worker -> "job" | "other" | "quarantine"
+        for w in list(self.cluster):
+            if rng.random() < 0.3:
+                self.pool[w] = "other"
+        self.life = lc.Life.new(self.policy)
+        self.now = 1000.0
+        self.request: tuple[int, int] | None = None  # want, need
+        self.queue: list[Any] = []  # facts due now (answers of synchronous actions)
+        self.later: list[Any] = []  # facts that arrive at some later moment
+        self.timers: dict[lc.Timer, tuple[int, float]] = {}
+        self.procs: list[Proc] = []
+        self.places = 0  # Place actions not answered yet
+        self.grow_asked: set[int] = set()
+        self.published: list[lc.Publish] = []
+        self.finished = False
+        self.log: list[str] = []
+        self.cancelled_at: int | None = None
+        self.fired_after_cancel: list[lc.Timer] = []
+
+    def new_name(self) -> str:
+        return f"w{next(self.names)}"
+
+    # -- feeding facts ----------------------------------------------------------------------
+    def feed(self, fact: Any) -> None:
+        before = self.life
+        self.log.append(f"{fact}")
+        self.life, actions = lc.step(self.life, fact, self.policy, self.now)
+        for action in actions:
+            self.log.append(f"  -> {action}")
+            self.act(action)
+        self.check(before, fact, actions)
+
+    def run_queue(self) -> None:
+        while self.queue:
+            self.feed(self.queue.pop(0))
+        self.check_quiet()
+
+    # -- what the actions do ----------------------------------------------------------------
+    def free(self) -> list[str]:
+        return sorted(w for w in self.cluster if w not in self.pool)
+
+    def held(self) -> frozenset[str]:
+        return frozenset(w for w, j in self.pool.items() if j == "job")
+
+    def try_grant(self) -> None:
+        if self.request is None:
+            return
+        want, need = self.request
+        held = sorted(self.held())
+        new = self.free()[: max(0, want - len(held))]
+        if len(held) + len(new) >= need:
+            for w in new:
+                self.pool[w] = "job"
+            self.request = None
+            self.queue.append(lc.Granted(tuple(held + new)))
+
+    def pool_changed(self) -> None:
+        """The pool grants what it can, then tells the job (in that order, as WorkerPool)."""
+        self.try_grant()
+        self.queue.append(lc.ClusterChanged(len(self.cluster)))
+
+    def act(self, action: Any) -> None:
+        if isinstance(action, lc.Ask):
+            if self.request is not None:
+                raise InvariantBroken("a second Ask while one is pending")
+            self.request = (action.want, action.need)
+            self.try_grant()
+            if self.request is not None:
+                self.queue.append(lc.Short(len(self.cluster)))
+        elif isinstance(action, lc.Withdraw):
+            self.request = None
+        elif isinstance(action, lc.Place):
+            if self.places:
+                raise InvariantBroken("a second Place while one is in flight")
+            self.places += 1
+            self.later.append(("place", action))
+        elif isinstance(action, lc.Abort):
+            self.later.append(("abort", action))
+        elif isinstance(action, lc.RestartWorkers):
+            self.later.append(("restart", action))
+        elif isinstance(action, lc.Release):
+            for w in action.workers:
+                if w not in self.cluster:
+                    continue  # it left; the pool forgot it (its WorkerLost is on its way)
+                if self.pool.get(w) != "job":
+                    raise InvariantBroken(f"released {w}, which the job does not hold")
+                busy = [p for p in self.procs if p.worker == w and self.harmful(p)]
+                if busy:
+                    raise InvariantBroken(f"released {w} while a rank still runs there: {busy}")
+                del self.pool[w]
+            self.pool_changed()
+        elif isinstance(action, lc.Quarantine):
+            for w in action.workers:
+                if w in self.cluster:
+                    self.pool[w] = "quarantine"
+        elif isinstance(action, lc.TakeMore):
+            held = sorted(self.held())
+            new = self.free()[: max(0, action.want - len(held))]
+            if new and len(held) + len(new) >= action.need:
+                for w in new:
+                    self.pool[w] = "job"
+                self.queue.append(lc.Grew(tuple(held + new)))
+        elif isinstance(action, lc.RequestGrow):
+            self.grow_asked.add(action.attempt)
+        elif isinstance(action, lc.Arm):
+            self.timers[action.timer] = (action.token, action.seconds)
+        elif isinstance(action, lc.Disarm):
+            self.timers.pop(action.timer, None)
+        elif isinstance(action, lc.Publish):
+            if self.published and self.published[-1].state.final:
+                raise InvariantBroken(f"published {action.state} after the final state")
+            self.published.append(action)
+        elif isinstance(action, lc.Finish):
+            if self.finished:
+                raise InvariantBroken("finished twice")
+            self.finished = True
+
+    @staticmethod
+    def harmful(p: Proc) -> bool:
+        """A process that still holds (or will hold) its worker for the job."""
+        return p.state == "running" or (p.state == "queued" and not p.doomed)
+
+    # -- answers that come later ------------------------------------------------------------
+    def answer(self, kind: str, action: Any) -> None:
+        if kind == "place":
+            self.places -= 1
+            dead = [w for w in action.workers if w not in self.cluster]
+            if dead or self.rng.random() < 0.05:
+                retry = bool(dead)
+                self.queue.append(
+                    lc.ActionFailed(
+                        lc.ActionKind.PLACE, action.attempt, retry=retry, why="probe failed"
+                    )
+                )
+                return
+            for rank, w in enumerate(action.workers):
+                self.procs.append(Proc(action.attempt, rank, w))
+            self.queue.append(lc.Placed(action.attempt, action.workers))
+        elif kind == "abort":
+            if self.rng.random() < 0.05:
+                self.queue.append(lc.ActionFailed(lc.ActionKind.ABORT, action.attempt))
+                return
+            idle = set()
+            for w in action.workers:
+                if w not in self.cluster:
+                    continue
+                mine = [p for p in self.procs if p.worker == w and p.attempt == action.attempt]
+                if not mine or all(p.state != "running" for p in mine):
+                    for p in mine:
+                        p.doomed = True
+                    idle.add(w)
+                else:
+                    for p in mine:
+                        p.told_stop = True
+            self.queue.append(lc.AbortAnswered(action.attempt, frozenset(idle)))
+        elif kind == "restart":
+            alive = [w for w in action.workers if w in self.cluster]
+            if self.rng.random() < 0.1:
+                self.queue.append(lc.ActionFailed(lc.ActionKind.RESTART, workers=action.workers))
+                return
+            for w in alive:
+                self.kill(w, replace=True)
+            self.queue.append(lc.WorkersRestarted(frozenset(action.workers)))
+
+    def kill(self, w: str, *, replace: bool) -> None:
+        for p in self.procs:
+            if p.worker == w and p.state in ("queued", "running"):
+                p.state = "dead"
+        self.cluster.discard(w)
+        self.pool.pop(w, None)
+        self.queue.append(lc.WorkerLost(w))
+        if replace:
+            self.cluster.add(self.new_name())
+        self.pool_changed()
+
+    # -- the world's own events -------------------------------------------------------------
+    def outcome(self, p: Proc) -> RankOutcome:
+        rng = self.rng
+        if p.doomed or (p.told_stop and rng.random() < 0.8):
+            return RankOutcome(Verdict.STOPPED, summary="stopped")
+        if p.attempt in self.grow_asked and rng.random() < 0.5:
+            return RankOutcome(Verdict.GROW, step=10)
+        r = rng.random()
+        if r < 0.5:
+            return RankOutcome(Verdict.DONE)
+        if r < 0.58:
+            return RankOutcome(Verdict.FAIL, "builtins.ValueError", "ValueError: x")
+        if r < 0.78:
+            return RankOutcome(Verdict.RETRY, "dask_ddp.errors.RetryableError", "RetryableError")
+        if r < 0.9:
+            return RankOutcome(Verdict.STOPPED, failed_rank=rng.randrange(3), summary="peer")
+        return RankOutcome(Verdict.STOPPED, peer_lost=True, summary="connection closed")
+
+    def end_proc(self, p: Proc, *, marker: bool = True) -> None:
+        p.state = "ended"
+        outcome = self.outcome(p)
+        if marker:
+            self.queue.append(lc.RankEnded(p.attempt, p.rank, outcome))
+        erred = outcome.verdict not in (Verdict.DONE, Verdict.GROW)
+        self.queue.append(lc.TaskEnded(p.attempt, p.rank, erred or not marker, "Error"))
+
+    def event(self, *, cooperate: bool = True, grow: bool = True) -> bool:
+        """One random thing happens; False when nothing can."""
+        rng = self.rng
+        weights: dict[str, float] = {}
+        if self.later:
+            weights["answer"] = 4
+        if self.timers:
+            weights["timer"] = 0.7
+        queued = [p for p in self.procs if p.state == "queued" and p.worker in self.cluster]
+        running = [p for p in self.procs if p.state == "running"]
+        if queued:
+            weights["start"] = 3
+        if running and cooperate:
+            weights["end"] = 2
+        if grow:
+            if self.cluster:
+                weights["kill"] = 0.4
+            weights.update(join=0.6, other=0.6, client=0.3)
+            if self.life.cancel is None:
+                weights["cancel"] = 0.08
+        if not weights:
+            return False
+        pick = rng.choices(list(weights), list(weights.values()))[0]
+        if pick == "answer":
+            kind, action = self.later.pop(rng.randrange(len(self.later)))
+            self.answer(kind, action)
+        elif pick == "timer":
+            timer = rng.choice(sorted(self.timers))
+            token, seconds = self.timers.pop(timer)
+            self.now += seconds
+            if self.cancelled_at is not None:
+                self.fired_after_cancel.append(timer)
+            self.queue.append(lc.TimerFired(timer, token))
+        elif pick == "start":
+            p = rng.choice(queued)
+            if p.doomed:  # ends at once, holding nothing
+                p.state = "ended"
+                outcome = RankOutcome(Verdict.STOPPED, summary="stopped before it started")
+                self.queue += [
+                    lc.RankEnded(p.attempt, p.rank, outcome),
+                    lc.TaskEnded(p.attempt, p.rank, True),
+                ]
+            else:
+                p.state = "running"
+                self.queue.append(lc.RankStarted(p.attempt, p.rank))
+        elif pick == "end":
+            self.end_proc(rng.choice(running), marker=rng.random() > 0.05)
+        elif pick == "kill":
+            self.kill(rng.choice(sorted(self.cluster)), replace=rng.random() < 0.7)
+        elif pick == "join":
+            self.cluster.add(self.new_name())
+            self.pool_changed()
+        elif pick == "other":
+            others = [w for w, j in self.pool.items() if j == "other"]
+            if others and rng.random() < 0.7:
+                del self.pool[rng.choice(others)]
+            elif self.free():
+                self.pool[rng.choice(self.free())] = "other"
+            self.pool_changed()
+        elif pick == "cancel":
+            self.cancel()
+        elif pick == "client":
+            self.queue.append(lc.ClientLeft() if rng.random() < 0.5 else lc.ClientAttached())
+        self.run_queue()
+        return True
+
+    def cancel(self) -> None:
+        self.cancelled_at = len(self.log)
+        self.queue.append(lc.CancelAsked("cancelled by the test"))
+
+    # -- invariants ---------------------------------------------------------------------------
+    def check_quiet(self) -> None:
+        """Once every fact due was taken: the job and the pool agree on what it holds."""
+        if self.life.held != self.held():
+            raise InvariantBroken(
+                f"the job thinks it holds {set(self.life.held)}, the pool {set(self.held())}"
+            )
+
+    def check(self, before: lc.Life, fact: Any, actions: list[Any]) -> None:
+        life = self.life
+        if life.phase is lc.Phase.ENDED:
+            if life.held:
+                raise InvariantBroken(f"an ended job holds {set(life.held)}")
+            if not life.state.final:
+                raise InvariantBroken(f"an ended job's published state is {life.state}")
+        elif life.state.final:
+            raise InvariantBroken(f"{life.state} published while the job is {life.phase}")
+        if before.phase is lc.Phase.ENDED:
+            allowed = (lc.Release,)
+            if any(not isinstance(a, allowed) for a in actions):
+                raise InvariantBroken(f"an ended job acted: {actions}")
+        if life.restarts_left < 0:
+            raise InvariantBroken("restarts below zero")
+        restarts = sum(p.state is JobState.RESTARTING for p in self.published)
+        if restarts > self.policy.max_restarts:
+            raise InvariantBroken(f"{restarts} restarts, at most {self.policy.max_restarts}")
+        limit = self.policy.max_resizes
+        if limit is not None:
+            resizes = [p for p in self.published if p.state is JobState.RESIZING]
+            if len(resizes) > limit:  # the model's clock moves only with its timers
+                raise InvariantBroken(f"{len(resizes)} resizes within the hour, at most {limit}")
+        for a in actions:
+            if isinstance(a, lc.Publish) and a.ending is not None:
+                if a.ending.kind is lc.EndKind.GROW and a.state not in (
+                    JobState.RESIZING,
+                    JobState.FAILED,
+                ):
+                    raise InvariantBroken(f"a grow led to {a.state}")
+                if a.ending.kind is lc.EndKind.GROW and life.restarts_left != before.restarts_left:
+                    raise InvariantBroken("a grow used a restart")
+                if a.state is JobState.FAILED and a.ending.kind is lc.EndKind.GROW:
+                    raise InvariantBroken("a grow failed the job")
+
+    # -- the end of a sequence --------------------------------------------------------------
+    def settle(self, *, cooperate: bool, limit: int = 2000) -> int:
+        """Let only answers, timers and (if ``cooperate``) the ranks' own ends happen until
+        the job ends; the number of events it took. Other jobs end first (a job waits for
+        the workers they hold as long as it takes)."""
+        for w in [w for w, j in self.pool.items() if j == "other"]:
+            del self.pool[w]
+        self.pool_changed()
+        self.run_queue()
+        for n in range(limit):
+            if self.life.phase is lc.Phase.ENDED:
+                return n
+            if not self.event(cooperate=cooperate, grow=False):
+                break
+        raise InvariantBroken(
+            f"the job never ended: {self.life.phase}, {self.life.state}, held {set(self.life.held)}"
+        )
+
+
+def _run(world: World, events: int) -> None:
+    world.feed(lc.Start())
+    world.run_queue()
+    for _ in range(events):
+        if world.life.phase is lc.Phase.ENDED:
+            break
+        world.event()
+
+
+def _explain(world: World, exc: BaseException) -> str:
+    tail = "\n".join(world.log[-60:])
+    return f"seed {world.seed}, policy {world.policy}:\n{exc}\nlast facts and actions:\n{tail}"
+
+
+def _sequence(seed: int) -> None:
+    """One random life, then one of the two endings the invariants promise."""
+    rng = random.Random(seed * 7919)
+    world = World(seed)
+    try:
+        _run(world, rng.randrange(0, 150))
+        if world.life.phase is lc.Phase.ENDED:
+            return
+        ending = rng.random()
+        if ending < 0.5:
+            # A cancel: only answers and timers from now on, no rank stops by itself.
+            world.cancel()
+            world.run_queue()
+            world.settle(cooperate=False)
+            stops = [t for t in world.fired_after_cancel if t is not lc.Timer.STOP]
+            if stops or world.fired_after_cancel.count(lc.Timer.STOP) > 1:
+                raise InvariantBroken(
+                    "a cancel waited for more than ddp.failure-grace and one worker restart: "
+                    f"timers fired {world.fired_after_cancel}"
+                )
+        elif ending < 0.75:
+            # Every worker goes away for good: the job must end (failed, after scale-timeout).
+            for w in sorted(world.cluster):
+                world.kill(w, replace=False)
+            world.run_queue()
+            world.settle(cooperate=True)
+        else:
+            # The ranks end on their own (no cancel, no kill): the job ends.
+            world.settle(cooperate=True)
+        if world.life.held or world.held():
+            raise InvariantBroken("the job ended holding workers")
+    except InvariantBroken as exc:
+        raise InvariantBroken(_explain(world, exc)) from None
+
+
+def _all_sequences() -> None:
+    for seed in range(SEQUENCES):
+        _sequence(seed)
+
+
+def test_random_lives_keep_every_invariant() -> None:
+    _all_sequences()
+
+
+def test_the_model_catches_a_broken_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Break one rule on purpose: a stopping attempt gives its workers back before its ranks
+    # are clean (what stranded the cluster). The model must find it, and say where.
+    monkeypatch.setattr(lc.RankLife, "clean", property(lambda self: True))
+    with pytest.raises(InvariantBroken, match="while a rank still runs there"):
+        _all_sequences()
+
+
+def test_a_grow_never_counts_as_a_failure() -> None:
+    p = lc.Policy(min_workers=1, max_workers=3, max_restarts=0, max_resizes=5)
+    life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
+    life, _ = lc.step(life, lc.Granted(("a",)), p, 0.0)
+    life, _ = lc.step(life, lc.Placed(0, ("a",)), p, 0.0)
+    life, actions = lc.step(life, lc.Grew(("a", "b")), p, 0.0)
+    assert lc.RequestGrow(0) in actions
+    grow = RankOutcome(Verdict.GROW, step=40)
+    life, actions = lc.step(life, lc.RankEnded(0, 0, grow), p, 0.0)
+    published = [a for a in actions if isinstance(a, lc.Publish)]
+    assert [(a.state, a.reason) for a in published] == [
+        (JobState.RESIZING, "grow at the checkpoint of step 40")
+    ]
+    assert life.restarts_left == 0
+    life, actions = lc.step(life, lc.TaskEnded(0, 0, False), p, 0.0)
+    assert lc.Ask(1, 3, 1) in actions and life.held == {"a", "b"}
+
+
+def test_too_many_resizes_fail_the_job() -> None:
+    p = lc.Policy(min_workers=1, max_workers=2, max_resizes=1)
+    life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
+    for attempt in range(2):
+        life, _ = lc.step(life, lc.Granted(("a",)), p, 10.0 * attempt)
+        life, _ = lc.step(life, lc.Placed(attempt, ("a",)), p, 10.0 * attempt)
+        grow = RankOutcome(Verdict.GROW, step=attempt)
+        life, actions = lc.step(life, lc.RankEnded(attempt, 0, grow), p, 10.0 * attempt)
+        life, actions = lc.step(life, lc.TaskEnded(attempt, 0, False), p, 10.0 * attempt)
+    assert life.phase is lc.Phase.ENDED and life.state is JobState.FAILED
+    assert life.ending.kind is lc.EndKind.RESIZES and life.ending.detail == (1, 1)
+    assert lc.Release(frozenset({"a"})) in actions
+
+
+def test_no_resize_limit_when_max_resizes_is_none() -> None:
+    p = lc.Policy(min_workers=1, max_workers=2, max_resizes=None)
+    life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
+    for attempt in range(50):
+        life, _ = lc.step(life, lc.Granted(("a",)), p, 0.0)
+        life, _ = lc.step(life, lc.Placed(attempt, ("a",)), p, 0.0)
+        grow = RankOutcome(Verdict.GROW, step=attempt)
+        life, _ = lc.step(life, lc.RankEnded(attempt, 0, grow), p, 0.0)
+        life, _ = lc.step(life, lc.TaskEnded(attempt, 0, False), p, 0.0)
+        assert life.phase is lc.Phase.WAITING
+    assert life.state is JobState.RESIZING
+
+
+def test_cancel_while_placing_stops_the_attempt_once_placed() -> None:
+    p = lc.Policy(min_workers=2, max_workers=2, failure_grace=5.0)
+    life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
+    life, _ = lc.step(life, lc.Granted(("a", "b")), p, 0.0)
+    life, actions = lc.step(life, lc.CancelAsked("stop"), p, 0.0)
+    assert actions == [] and life.phase is lc.Phase.PLACING  # the launcher is busy placing
+    life, actions = lc.step(life, lc.Placed(0, ("a", "b")), p, 0.0)
+    assert not any(isinstance(a, lc.Publish) for a in actions)  # never said "running"
+    assert lc.Abort(0, (0, 1), ("a", "b"), "stop", None) in actions
+    assert lc.Arm(lc.Timer.STOP, 5.0, life.armed(lc.Timer.STOP)) in actions
+    life, actions = lc.step(life, lc.AbortAnswered(0, frozenset({"a"})), p, 0.0)
+    assert life.phase is lc.Phase.STOPPING  # b's rank runs: b is not given back yet
+    life, actions = lc.step(life, lc.TimerFired(lc.Timer.STOP, life.armed(lc.Timer.STOP)), p, 5)
+    assert actions == [lc.RestartWorkers(0, frozenset({"b"}))]
+    life, actions = lc.step(life, lc.WorkersRestarted(frozenset({"b"})), p, 6.0)
+    assert life.phase is lc.Phase.ENDED and life.state is JobState.CANCELLED
+    assert actions[0] == lc.Release(frozenset({"a", "b"}))
