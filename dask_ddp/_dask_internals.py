@@ -189,6 +189,34 @@ def fail_task(scheduler: Any, key: Any, exception: bytes) -> bool:
     return True
 
 
+def _kill_worker_process(dask_worker: Any = None) -> int | None:
+    """Run in a nanny (``Client.run(nanny=True)``): SIGKILL its worker process; the nanny
+    starts a new one, as after any crash."""
+    import os
+    import signal
+
+    process = dask_worker.process
+    pid = process.pid if process is not None else None
+    if pid:
+        os.kill(pid, getattr(signal, "SIGKILL", signal.SIGTERM))
+    return pid
+
+
+async def kill_worker_processes(client: Any, workers: Sequence[str]) -> dict[str, Any]:
+    """End the processes of ``workers`` (each has a nanny) at once; their nannies start
+    new ones, which join under the same names. ``Client.restart_workers`` instead asks a
+    worker to close first and waits 4 s for it, which a worker whose rank thread is stuck
+    in C never does; and its graceful close races with SpecCluster's removal of a worker
+    that restarted twice within ``distributed.deploy.lost-worker-timeout``. Returns each
+    worker's answer (the old process's pid, or the exception).
+
+    Private: the nanny's ``process`` (its ``WorkerProcess``) and that object's ``pid``.
+    """
+    return await client.run(
+        _kill_worker_process, nanny=True, workers=list(workers), on_error="return"
+    )
+
+
 def drop_published_client(scheduler: Any, name: str) -> bool:
     """Let the scheduler forget the client entry that publishing the dataset ``name`` made,
     once the dataset is unpublished (it holds no key). Returns whether it did.

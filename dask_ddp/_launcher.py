@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _dask_internals, _replicas, bootstrap, events
-from ._slot import Restore
+from ._protocol import Restore, dataset_name, run_id_of
 from ._types import JobSpec
 from .placement import (
     WorkerInfo,
@@ -37,18 +37,10 @@ from .placement import (
 logger = logging.getLogger(__name__)
 
 
-def dataset_name(run_id: str) -> str:
-    """The name an attempt's rank futures are published under.
-
-    >>> dataset_name("3f2a9c1b2d4e-1")
-    'dask-ddp-3f2a9c1b2d4e-1'
-    """
-    return f"dask-ddp-{run_id}"
-
-
 @dataclasses.dataclass
 class Attempt:
-    """One placement of a job: where its ranks run, and how each of them ended.
+    """One placement of a job: where its ranks run, and what the supervisor needs to reach
+    them (how each rank ended is the job's life's, :mod:`dask_ddp._lifecycle`).
 
     Attributes
     ----------
@@ -60,14 +52,6 @@ class Attempt:
         Each rank's worker, in rank order.
     keys : list of str
         Each rank's task key.
-    ended : dict
-        Rank -> ``"memory"`` or ``"erred"`` once its task ended.
-    errors : dict
-        Rank -> the text of an erred task's exception (Dask's ``exception_text``).
-    markers : dict
-        Rank -> the outcome its final marker carried (:func:`dask_ddp.bootstrap.outcome_of`).
-    lost : dict
-        Rank -> the worker that left the cluster while the rank ran.
     loaded : dict
         Rank -> where its state came from, as it said: ``[source, step, where]`` each time.
     """
@@ -80,26 +64,13 @@ class Attempt:
     keys: list[str]
     specs: list[bootstrap.RankSpec]
     futures: list[Any] = dataclasses.field(default_factory=list)
-    ended: dict[int, str] = dataclasses.field(default_factory=dict)
-    errors: dict[int, str] = dataclasses.field(default_factory=dict)
-    markers: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    lost: dict[int, str] = dataclasses.field(default_factory=dict)
     loaded: dict[int, list[list[Any]]] = dataclasses.field(default_factory=dict)
-    grow_requested: bool = False
     reported: bool = False  # a rank of this attempt reported a record
     published: bool = False  # its futures are published (every client can read them)
 
     @property
     def dataset(self) -> str:
         return dataset_name(self.run_id)
-
-    def running(self) -> list[int]:
-        """Ranks whose task has neither ended nor lost its worker."""
-        return [r for r in range(len(self.workers)) if r not in self.ended and r not in self.lost]
-
-    def silent(self) -> set[int]:
-        """Ranks whose final marker will never come (their process is gone)."""
-        return set(self.lost) | {r for r, e in self.errors.items() if "KilledWorker" in e}
 
 
 class Launcher:
@@ -132,7 +103,7 @@ class Launcher:
         their tasks' specs. Raises what placing them raises (a backend without GPUs, a
         worker that left meanwhile, a dataset partition lost for good)."""
         spec, settings = self.spec, self.spec.settings
-        run_id = spec.job_id if number == 0 else f"{spec.job_id}-{number}"
+        run_id = run_id_of(spec.job_id, number)
         hosts = {a: self.scheduler.workers[a].host for a in workers}
         rank0 = order_workers([WorkerInfo(a, hosts[a]) for a in workers])[0].address
         targets = sorted({rank0, *(a for a in workers if a not in self.gpus)})
@@ -166,7 +137,10 @@ class Launcher:
                 else [None] * len(plan)
             )
         except BaseException:
-            await self._drop_store(run_id, rank0)
+            try:
+                await self._drop_store(run_id, rank0)
+            except Exception as exc:  # the error placing raised is the one to tell
+                logger.warning("job %s: could not close its store on %s: %s", run_id, rank0, exc)
             raise
         port = probes[rank0]["store_port"]
         flush = events.flush_interval(
@@ -239,31 +213,24 @@ class Launcher:
         self, workers: Sequence[str]
     ) -> dict[str, list[tuple[int, int | None, int]]]:
         """The job's replicas each of ``workers`` (those alive) keeps: ``(writer, world
-        size, step)``; a worker that does not answer is left out."""
+        size, step)``; a worker that does not answer is left out. Raises what the call
+        raises (the scheduler is closing)."""
         alive = sorted(set(workers) & set(self.scheduler.workers))
         if not alive:
             return {}
-        try:
-            held = await self.client.run(
-                _replicas.held_for, self.spec.job_id, workers=alive, on_error="return"
-            )
-        except Exception:
-            logger.debug("job %s: could not ask for replicas", self.spec.job_id, exc_info=True)
-            return {}
+        held = await self.client.run(
+            _replicas.held_for, self.spec.job_id, workers=alive, on_error="return"
+        )
         return {w: entries for w, entries in held.items() if isinstance(entries, list)}
 
     async def drop_replicas(self, workers: Sequence[str], key: tuple[int, Any] | None) -> None:
         """Forget the job's replicas on ``workers`` (those of ``key``, ``(writer, world
         size)``, only, if given) at the job's end, or when they moved elsewhere."""
         alive = sorted(set(workers) & set(self.scheduler.workers))
-        if not alive:
-            return
-        try:
+        if alive:
             await self.client.run(
                 _replicas.drop_job, self.spec.job_id, key, workers=alive, on_error="return"
             )
-        except Exception:
-            logger.debug("job %s: could not drop replicas", self.spec.job_id, exc_info=True)
 
     def submit(self, attempt: Attempt) -> None:
         """Submit the attempt's rank tasks (they go out on the client's stream)."""
@@ -300,71 +267,68 @@ class Launcher:
     async def abort(
         self, attempt: Attempt, ranks: Sequence[int], reason: str, failed_rank: int | None
     ) -> set[str]:
-        """Ask ``ranks`` of ``attempt`` to stop; return the workers where none of its ranks
-        runs (queued behind another task, or done)."""
-        alive = set(self.scheduler.workers)
-        targets = sorted({attempt.workers[r] for r in ranks} & alive)
+        """Ask ``ranks`` of ``attempt`` to stop (:func:`dask_ddp.bootstrap.abort_rank`);
+        return the workers that answered that no rank of the attempt runs there (it ends
+        at once if its task starts later: the worker is clean). A worker that did not
+        answer is not among them. Raises what the call raises."""
+        targets = sorted({attempt.workers[r] for r in ranks} & set(self.scheduler.workers))
         if not targets:
             return set()
-        try:
-            aborted = await self.client.run(
-                bootstrap.abort_rank, attempt.run_id, reason, failed_rank, workers=targets,
-                on_error="return",
-            )  # fmt: skip
-        except Exception:
-            logger.debug("job %s: abort request failed", attempt.run_id, exc_info=True)
-            return set()
-        return {w for w, stopped in aborted.items() if stopped is False}
-
-    async def restart(self, attempt: Attempt, workers: Sequence[str], grace: float) -> None:
-        """Restart ``workers``, whose ranks did not stop within ``grace`` seconds."""
-        logger.warning(
-            "job %s: ranks on %s did not stop within %.0f s (blocked in a collective); "
-            "restarting those workers", attempt.run_id, list(workers), grace,
+        answers = await self.client.run(
+            bootstrap.abort_rank, attempt.run_id, reason, failed_rank, workers=targets,
+            on_error="return",
         )  # fmt: skip
-        try:
-            await self.client.restart_workers(list(workers), raise_for_error=False)
-        except Exception:
-            logger.warning("job %s: could not restart %s", attempt.run_id, workers, exc_info=True)
+        for worker, answer in answers.items():
+            if isinstance(answer, BaseException):
+                logger.warning(
+                    "job %s: %s did not take the stop (%s: %s); its worker is restarted if "
+                    "its rank goes on", attempt.run_id, worker, type(answer).__name__, answer,
+                )  # fmt: skip
+        return {w for w, running in answers.items() if running is False}
+
+    async def restart(
+        self, workers: Sequence[str], pool: Any, timeout: float
+    ) -> tuple[set[str], set[str]]:
+        """Restart ``workers``, whose ranks did not stop: each one's process is killed, and
+        its nanny starts a new one, which joins under the same name; a worker without a
+        nanny is closed (its deployment may start it again). Return the workers done (gone,
+        their successors joined within ``timeout``) and those that could not be
+        restarted."""
+        table = self.scheduler.workers
+        alive = [w for w in workers if w in table]
+        done = set(workers) - set(alive)
+        back = {w: pool.returned(table[w].name) for w in alive if table[w].nanny}
+        lone = [w for w in alive if w not in back]
+        if lone:  # nothing can start them again here: they go
+            answers = await self.client.restart_workers(lone, raise_for_error=False)
+            done |= {w for w, answer in answers.items() if answer in ("OK", "removed")}
+        if back:
+            answers = await _dask_internals.kill_worker_processes(self.client, list(back))
+            for worker, answer in answers.items():
+                if isinstance(answer, BaseException):
+                    logger.warning(
+                        "job %s: could not restart %s: %s", self.spec.job_id, worker, answer
+                    )
+                    back.pop(worker).cancel()
+        if back:
+            await asyncio.wait(list(back.values()), timeout=timeout)
+        done |= {w for w, future in back.items() if future.done() and not future.cancelled()}
+        for future in back.values():
+            future.cancel()
+        return done, set(workers) - done
 
     def fail_lost(self, attempt: Attempt, rank: int, error: BaseException) -> None:
         """Fail rank ``rank``'s task, left without a worker (its worker left or was
         restarted), with ``error``: its future then says why it ended, whichever way it is
         read, instead of waiting for a worker that will not come back."""
-        if _dask_internals.fail_task(self.scheduler, attempt.keys[rank], pickle.dumps(error)):
-            attempt.ended.setdefault(rank, "erred")
-            attempt.errors.setdefault(rank, f"{type(error).__name__}: {error}")
-
-    async def drop_store(self, attempt: Attempt) -> None:
-        """Close the attempt's store on rank 0's worker, if no rank took it."""
-        if attempt.store_worker in self.scheduler.workers:
-            await self._drop_store(attempt.run_id, attempt.store_worker)
+        _dask_internals.fail_task(self.scheduler, attempt.keys[rank], pickle.dumps(error))
 
     async def _drop_store(self, run_id: str, worker: str) -> None:
-        try:
-            await self.client.run(bootstrap.drop_store, run_id, workers=[worker], on_error="return")
-        except Exception:
-            logger.debug("job %s: store cleanup failed", run_id, exc_info=True)
+        await self.client.run(bootstrap.drop_store, run_id, workers=[worker], on_error="return")
 
     async def request_grow(self, attempt: Attempt) -> None:
         """Ask the attempt's rank 0 to stop every rank at its next checkpoint."""
-        attempt.grow_requested = True
         await self.client.run(
             bootstrap.request_grow, attempt.run_id, workers=[attempt.store_worker],
             on_error="return",
         )  # fmt: skip
-
-
-async def wait_first(*waits: Any, timeout: float | None = None) -> None:
-    """Wait until the first of ``waits`` is done, or ``timeout`` seconds pass.
-
-    Each is a future (left as it is: a pool's grant, say) or a coroutine (an event's
-    ``wait()``: cancelled if it did not finish).
-    """
-    own = [asyncio.ensure_future(w) for w in waits if asyncio.iscoroutine(w)]
-    futures = [w for w in waits if not asyncio.iscoroutine(w)] + own
-    try:
-        await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in own:
-            task.cancel()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from ._slot import Restore
+from ._protocol import Restore
 
 __all__ = ["CheckpointLedger", "describe_sources", "writer_rank"]
 

@@ -203,14 +203,16 @@ class Start:
 
 @dataclasses.dataclass(frozen=True)
 class Short:
-    """The pool could not grant the workers at once; the cluster has ``cluster`` workers."""
+    """The pool could not grant the workers at once; the cluster has ``cluster`` workers
+    (those kept out of every job not counted)."""
 
     cluster: int
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterChanged:
-    """Workers joined, left or were given back by other jobs; ``cluster`` are there."""
+    """Workers joined, left or were given back by other jobs; ``cluster`` are there (those
+    kept out of every job not counted)."""
 
     cluster: int
 
@@ -654,7 +656,7 @@ class _Step:
 
     def on_WorkerLost(self, fact: WorkerLost) -> None:
         life = self.life
-        self.set(held=life.held - {fact.worker}, restarting=life.restarting - {fact.worker})
+        self.set(held=life.held - {fact.worker})
         if life.phase not in (Phase.RUNNING, Phase.STOPPING):
             return
         stopped = life.ending.why if life.ending is not None else None
@@ -772,15 +774,18 @@ class _Step:
                 self.finish(JobState.FAILED, ending)
         elif fact.action is ActionKind.RESTART:
             self.set(restarting=life.restarting - fact.workers)
-            given_up = fact.workers & life.held
-            self.set(held=self.life.held - given_up)
-            if given_up:
+            stuck = [
+                r
+                for r, rank in enumerate(life.ranks)
+                if rank.worker in fact.workers and not rank.clean
+            ]
+            given_up = frozenset(life.ranks[r].worker for r in stuck) & life.held
+            if given_up:  # a rank runs there still: no job may use it
+                self.set(held=life.held - given_up)
                 self.actions.append(Quarantine(given_up))
-            if life.phase is Phase.STOPPING:
-                for r, rank in enumerate(life.ranks):
-                    if rank.worker in fact.workers and not rank.clean:
-                        self.update(r, abandoned=True)
-                self.progress()
+            for r in stuck:
+                self.update(r, abandoned=True)
+            self.progress()
         elif fact.action is ActionKind.ABORT:
             self.actions.append(Note(f"stopping attempt {fact.attempt}'s ranks: {fact.why}"))
         # GROW: the ranks go on at their size; the next change of the cluster tries again
@@ -940,6 +945,8 @@ class _Step:
         attempt with the workers it holds, or ends and gives them back."""
         life = self.life
         if life.phase is not Phase.STOPPING or not all(r.clean for r in life.ranks):
+            return
+        if life.restarting:  # their successors are not there yet: the job waits for them
             return
         self.disarm(Timer.STOP)
         state, ending = life.next_state, life.ending

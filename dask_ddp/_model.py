@@ -158,13 +158,6 @@ class JobModel:
         self.mark_views()
         return records, printed
 
-    def end_rank(self, rank: int, how: str) -> None:
-        """Rank ``rank`` of the current placement ended (its final marker said how)."""
-        with self.cond:
-            self.progress.end(rank, how)
-            self.cond.notify_all()
-        self.mark_views()
-
     def note(self, text: str) -> None:
         """Something this client noticed (a callback failed, messages were lost)."""
         with self.cond:

@@ -142,6 +142,7 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     # -- hooks ---------------------------------------------------------------------------
     def add_worker(self, scheduler: Any, worker: str) -> None:
+        self.pool.add_worker(worker)
         self.pool.changed()
 
     def remove_worker(
@@ -175,7 +176,7 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     def _workers_changed(self) -> None:
         for job in list(self.jobs.values()):
-            if not job.state.final:
+            if not job.stopped.is_set():
                 job.workers_changed()
 
     # -- what supervisors ask of it ------------------------------------------------------

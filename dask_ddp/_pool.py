@@ -37,14 +37,18 @@ def _placeholder() -> None:  # pragma: no cover - never runs (its resource does 
 @dataclasses.dataclass
 class _Request:
     """A job's wish: up to ``want`` workers in all, at least ``need``, from ``candidates()``;
-    ``demand``: more workers would help it (not so for a job that names its workers)."""
+    ``on_grant(workers)`` once they are its; ``demand``: more workers would help it (not so
+    for a job that names its workers)."""
 
     job_id: str
     candidates: Callable[[], list[str]]
     want: int
     need: int
-    granted: asyncio.Future[list[str]]
+    on_grant: Callable[[list[str]], None]
     demand: bool = True
+
+
+QUARANTINED = "<quarantined>"  # the holder of workers no job may use (see WorkerPool.quarantine)
 
 
 class WorkerPool:
@@ -75,6 +79,7 @@ class WorkerPool:
         self._client: Any = None
         self._placeholders: dict[str, list[Any]] = {}  # job id -> placeholder futures
         self._growing: dict[str, int] = {}  # job id -> workers a running elastic job lacks
+        self._returning: dict[Any, list[asyncio.Future[str]]] = {}  # name -> waiters
 
     def attach_client(self, client: Any) -> None:
         """The plugin's own client, which submits and cancels placeholders."""
@@ -84,6 +89,10 @@ class WorkerPool:
     def held(self, job_id: str) -> list[str]:
         """The workers ``job_id`` holds, in the order it took them."""
         return [a for a, j in self.holder.items() if j == job_id]
+
+    def quarantined(self) -> list[str]:
+        """Workers kept out of every job (:meth:`quarantine`)."""
+        return self.held(QUARANTINED)
 
     def free(self) -> list[str]:
         """Workers no job holds."""
@@ -121,10 +130,24 @@ class WorkerPool:
         if changed:
             self.changed()
 
+    def quarantine(self, job_id: str, addresses: Iterable[str]) -> None:
+        """Keep ``addresses`` out of every job until they leave the cluster: a rank of
+        ``job_id`` there could be neither stopped nor its worker restarted, and a job
+        placed there would wait on it. Adaptive scaling may close them."""
+        for address in addresses:
+            if address in self.scheduler.workers and self.holder.get(address) in (job_id, None):
+                self.holder[address] = QUARANTINED
+                logger.warning(
+                    "dask-ddp: worker %s is kept out of dask-ddp jobs: job %s's rank there did "
+                    "not stop and the worker could not be restarted; restart it "
+                    "(client.restart_workers) or let it go, and it is used again",
+                    address, job_id,
+                )  # fmt: skip
+
     def protect(self, workers: list[Any]) -> list[Any]:
         """Of ``workers`` (``WorkerState``s adaptive scale-down would close), those no job
         holds: a job's workers stay, between two of its placements too."""
-        return [ws for ws in workers if ws.address not in self.holder]
+        return [ws for ws in workers if self.holder.get(ws.address, QUARANTINED) == QUARANTINED]
 
     # -- waiting ---------------------------------------------------------------------------
     def ask(
@@ -134,23 +157,21 @@ class WorkerPool:
         *,
         want: int,
         need: int,
+        on_grant: Callable[[list[str]], None],
         demand: bool = True,
-    ) -> asyncio.Future[list[str]]:
-        """A request that is granted (the future's result: every worker the job holds then)
-        as soon as ``take`` would succeed, in the order requests were made; meanwhile the
-        missing workers are adaptive scaling's demand (unless ``demand`` is false)."""
-        self.withdraw(job_id)
-        granted: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
-        self._requests[job_id] = _Request(job_id, candidates, want, need, granted, demand)
+    ) -> None:
+        """A request granted as soon as ``take`` would succeed, in the order requests were
+        made: ``on_grant(workers)`` is called then, with every worker the job holds.
+        Meanwhile the missing workers are adaptive scaling's demand (unless ``demand`` is
+        false)."""
+        self._requests.pop(job_id, None)
+        self._requests[job_id] = _Request(job_id, candidates, want, need, on_grant, demand)
         self._grant()
         self._update_demand()
-        return granted
 
     def withdraw(self, job_id: str) -> None:
-        """Drop ``job_id``'s request (it was granted, cancelled or timed out)."""
-        request = self._requests.pop(job_id, None)
-        if request is not None and not request.granted.done():
-            request.granted.cancel()
+        """Drop ``job_id``'s request (it was cancelled or timed out)."""
+        self._requests.pop(job_id, None)
         self._update_demand()
 
     def changed(self) -> None:
@@ -164,15 +185,26 @@ class WorkerPool:
         """A worker left the cluster: forget it; return the job that held it, if any."""
         return self.holder.pop(address, None)
 
+    def add_worker(self, address: str) -> None:
+        """A worker joined: whoever waits for its name to come back hears of it."""
+        ws = self.scheduler.workers.get(address)
+        for future in self._returning.pop(ws.name if ws is not None else None, []):
+            if not future.done():
+                future.set_result(address)
+
+    def returned(self, name: Any) -> asyncio.Future[str]:
+        """A future of the address of the next worker to join under ``name`` (a restarted
+        worker comes back under its name, at a new address)."""
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._returning.setdefault(name, []).append(future)
+        return future
+
     def _grant(self) -> None:
         for job_id, request in list(self._requests.items()):
-            if request.granted.done():
-                del self._requests[job_id]
-                continue
             workers = self.take(job_id, request.candidates(), want=request.want, need=request.need)
             if workers is not None:
                 del self._requests[job_id]
-                request.granted.set_result(workers)
+                request.on_grant(workers)
 
     # -- adaptive demand -------------------------------------------------------------------
     def missing(self) -> dict[str, int]:
@@ -180,7 +212,7 @@ class WorkerPool:
         return {
             job_id: max(0, r.want - len(self.held(job_id)))
             for job_id, r in self._requests.items()
-            if r.demand and not r.granted.done()
+            if r.demand
         }
 
     def demand(self, job_id: str, missing: int) -> None:

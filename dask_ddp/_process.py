@@ -2,7 +2,6 @@
 
 Each one reaches below Python's usual abstractions, and each was needed on the real stack:
 
-- :func:`raise_in_thread`: stop a rank's thread from outside (``PyThreadState_SetAsyncExc``).
 - :func:`children_allowed`: let a daemonic Dask worker start DataLoader worker processes.
 - :func:`platform_start_method`: start them the way they start under torchrun (fork on
   Linux before Python 3.14), not with the spawn that a Dask worker inherits.
@@ -10,12 +9,12 @@ Each one reaches below Python's usual abstractions, and each was needed on the r
   ``init_process_group`` opened and shut them down, so gloo's peers fail in milliseconds.
 - :func:`dask_ports`: the worker's own ports, never among the sockets shut down.
 - :func:`is_peer_loss`: recognise a collective that failed because a peer went away.
+- :func:`fresh_group_names`: name the next default process group as a fresh process would.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -29,29 +28,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "children_allowed",
     "dask_ports",
+    "fresh_group_names",
     "is_peer_loss",
     "platform_start_method",
     "process_group_links",
-    "raise_in_thread",
     "sever",
     "socket_fds",
 ]
-
-
-def raise_in_thread(thread_id: int, exc_type: type[BaseException]) -> bool:
-    """Raise ``exc_type`` in the thread ``thread_id`` at its next Python instruction.
-
-    A thread inside C code (a collective, ``store.wait``) only sees it once that returns.
-
-    Returns
-    -------
-    bool
-        True if a thread with that id was found.
-    """
-    found = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc_type)
-    )
-    return bool(found)
 
 
 @contextlib.contextmanager
@@ -175,3 +158,24 @@ def is_peer_loss(exc: BaseException) -> bool:
 
     text = str(exc)
     return isinstance(exc, (RuntimeError, dist.DistError)) and any(m in text for m in _PEER_LOSS)
+
+
+def fresh_group_names() -> None:
+    """Name the next default process group as a fresh process names it, when none exists.
+
+    torch names a process group after a per-process counter (its gloo connections meet
+    under that name in the store) and resets the counter only when a default group is
+    destroyed. An ``init_process_group`` that failed (a peer's process died while the mesh
+    connected, the job was stopped then) counts one more and leaves no group to destroy:
+    the next job's rank in this process would then wait under another name than its peers
+    (a fresh process, or one whose last init succeeded), in ``init_process_group``, until
+    the collective timeout. Called before every init and after every rank.
+
+    Private torch API: ``torch.distributed.distributed_c10d._world.group_count`` (checked
+    with torch 2.14); without it nothing is done.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not c10d.is_initialized():
+        world.group_count = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["Progress", "ended_text", "pick_curve_metric"]
+__all__ = ["Progress", "pick_curve_metric"]
 
 CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinned)
 # What the /ddp/ page gets of each rank (Progress.page_ranks): metric values, curve points,
@@ -30,26 +30,6 @@ def pick_curve_metric(values: dict[str, Any]) -> str:
     if "loss" in values:
         return "loss"
     return next((k for k in values if "loss" in k.lower()), next(iter(values)))
-
-
-def ended_text(outcome: dict[str, Any]) -> str:
-    """How a rank ended, as its row in the views says it.
-
-    >>> ended_text({"stopped": "ValueError: x", "failed_rank": 1})
-    'stopped: rank 1 failed'
-    >>> ended_text({"failed": "ValueError: bad batch"})
-    'failed: ValueError: bad batch'
-    """
-    if "failed" in outcome:
-        return f"failed: {outcome['failed']}"
-    if "stopped" in outcome:
-        first = outcome.get("failed_rank")
-        if first is not None and first >= 0:
-            return f"stopped: rank {first} failed"
-        return f"stopped: {outcome['stopped']}"
-    if "grow" in outcome:
-        return f"stopped: the job resizes at step {outcome['grow']}"
-    return "finished"
 
 
 class _RankProgress:

@@ -31,7 +31,7 @@ __all__ = [
     "WireVersionError",
     "dataset_name",
     "job_topic",
-    "run_id",
+    "run_id_of",
 ]
 
 #: The version of the records below; a reader takes records of this version or older.
@@ -219,11 +219,11 @@ def dataset_name(run_id: str) -> str:
     return f"dask-ddp-{run_id}"
 
 
-def run_id(job_id: str, attempt: int) -> str:
+def run_id_of(job_id: str, attempt: int) -> str:
     """An attempt's id: the job's id for the first, ``<job id>-<attempt>`` after; every
     event of a rank carries it.
 
-    >>> run_id("3f2a", 0), run_id("3f2a", 2)
+    >>> run_id_of("3f2a", 0), run_id_of("3f2a", 2)
     ('3f2a', '3f2a-2')
     """
     return job_id if attempt == 0 else f"{job_id}-{attempt}"

@@ -25,7 +25,6 @@ from distributed import Client
 
 from . import _dask_internals, _topics, events
 from ._model import JobModel
-from ._progress import ended_text
 from ._types import JobState
 
 logger = logging.getLogger(__name__)
@@ -152,8 +151,6 @@ class EventReader:
         run_id, rank = msg.get("job"), msg.get("rank")
         if not isinstance(rank, int) or rank < 0 or not self._ours(run_id):
             return
-        if "outcome" in msg and run_id == self.model.run_id and not history:
-            self.model.end_rank(rank, ended_text(msg["outcome"]))  # its row says it at once
         streams = self._streams.setdefault(run_id, [])
         while len(streams) <= rank:
             streams.append(events.RankStream(resume=run_id in self._resumed or history))

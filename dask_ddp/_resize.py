@@ -50,6 +50,7 @@ def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
         # step is waited for, so that release_waiters can end the wait.
         run.store.set(_WAITING, str(step))
         run.store.wait([key], timedelta(seconds=timeout))
+        run.check_stop()  # released by the stop, not by rank 0's word
         grow = run.store.get(key) == _GROW
         if grow and run.saver is not None:
             run.saver.flush()
@@ -59,9 +60,9 @@ def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
 
 def release_waiters(store: Any, mark: bytes) -> None:
     """End the wait of ranks waiting for rank 0's word at a checkpoint, with ``mark`` as the
-    word: the stop that called this is pending in their threads and is raised as soon as the
-    wait returns. Without it, a rank stopped there (rank 0 failed or was stopped before its
-    checkpoint) would wait out the collective timeout and cost its worker a restart.
+    word: the stop that called this is raised as soon as the wait returns. Without it, a
+    rank stopped there (rank 0 failed or was stopped before its checkpoint) would wait out
+    the collective timeout and cost its worker a restart.
     """
     if store.check([_WAITING]):
         store.compare_set(_word(int(store.get(_WAITING))), "", mark)

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import checkpoint, events
+from ._protocol import Restore
 from ._replicas import PeerLink
-from ._slot import CheckpointSettings, Restore
+from ._slot import CheckpointSettings
 
 logger = logging.getLogger(__name__)
 

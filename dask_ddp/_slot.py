@@ -27,6 +27,10 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import _process
+from ._protocol import Restore
+from .errors import RankStoppedError
+
 if TYPE_CHECKING:
     import torch
 
@@ -38,7 +42,6 @@ __all__ = [
     "ProcessSlot",
     "RankContext",
     "RankRun",
-    "Restore",
     "host_lanes",
     "slot_for",
     "this_slot",
@@ -103,46 +106,6 @@ class RankContext:
 
 
 @dataclasses.dataclass(frozen=True)
-class Restore:
-    """Where a rank of a new attempt finds a checkpoint, as the job's supervisor decided.
-
-    Attributes
-    ----------
-    step : int
-        The checkpoint's step.
-    source : str
-        ``"peer"``: a replica held in the memory of the worker ``holder``; ``"store"``: the
-        durable copy at ``url``.
-    writer : int
-        Whose checkpoint: 0 for the job's state, the rank for per-rank state.
-    world_size : int or None
-        For per-rank state, the number of ranks that wrote it; None for the job's state.
-    holder : str or None
-        The worker holding the replica (``source="peer"``).
-    url : str or None
-        The durable copy, the fallback when the replica cannot be read.
-
-    Examples
-    --------
-    >>> Restore(40, "peer", 0, holder="tcp://10.0.0.2:4242").describe()
-    'the replica of step 40 in the memory of tcp://10.0.0.2:4242'
-    """
-
-    step: int
-    source: str
-    writer: int = 0
-    world_size: int | None = None
-    holder: str | None = None
-    url: str | None = None
-
-    def describe(self) -> str:
-        """Where it is, in words."""
-        if self.source == "peer":
-            return f"the replica of step {self.step} in the memory of {self.holder}"
-        return f"{self.url or 'the store'} (step {self.step})"
-
-
-@dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
     """Where a rank's checkpoints go (``launch(checkpoint_dir=...)``), resolved on the client,
     and where the rank's state comes from on a restart (decided by the supervisor)."""
@@ -177,19 +140,19 @@ class RankRun:
     rank : int
         The global rank.
     thread_id : int
-        The thread running the rank (where an abort is raised).
+        The thread running the rank.
     channel : RankChannel or None
         The rank's channel to the client; status travels on it from the task's start.
     master : tuple of (str, int) or None
-        The job's store, to release its rendezvous on abort.
-    running : bool
-        True while the user's function (or the set-up before it) may still be stopped.
-    abort_reason : str or None
-        Why the client stopped the rank, once it did.
-    abort_failed_rank : int or None
-        The rank whose failure made the client stop this one, if one did.
+        The job's store, to release its rendezvous on a stop.
+    stop_reason : str or None
+        Why the supervisor asked the rank to stop, once it did (:meth:`ProcessSlot.stop`):
+        the rank raises :class:`~dask_ddp.RankStoppedError` at its next safe point.
+    stop_failed_rank : int or None
+        The rank whose failure made the supervisor stop this one, if one did.
     links : frozenset of int
-        Socket fds the process group opened (gloo), shut down on failure or abort.
+        Socket fds the process group opened (gloo), shut down on failure or stop while the
+        group lives; emptied before the group is destroyed (the fds are closed then).
     store : torch.distributed.TCPStore or None
         The job's store as this rank holds it (rank 0's listens): kept while the task runs.
     context : RankContext or None
@@ -214,9 +177,8 @@ class RankRun:
     thread_id: int = dataclasses.field(default_factory=threading.get_ident)
     channel: RankChannel | None = None
     master: tuple[str, int] | None = None
-    running: bool = True
-    abort_reason: str | None = None
-    abort_failed_rank: int | None = None
+    stop_reason: str | None = None
+    stop_failed_rank: int | None = None
     links: frozenset[int] = frozenset()
     store: Any = None
     context: RankContext | None = None
@@ -227,6 +189,18 @@ class RankRun:
     dataset_shards: dict[str, Any] = dataclasses.field(default_factory=dict)
     on_end: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     pid: int = dataclasses.field(default_factory=os.getpid)
+
+    def check_stop(self) -> None:
+        """A safe point: raise :class:`~dask_ddp.RankStoppedError` if the supervisor asked
+        this rank to stop. Ranks are only ever stopped here, from their own thread, or by
+        a collective failing on its severed links, never by an exception raised into them
+        from outside (that leaves the process half-way through whatever it did: an import,
+        torch's process-group bookkeeping), so a stopped rank's process can run the next
+        rank."""
+        if self.stop_reason is not None:
+            raise RankStoppedError(
+                self.rank, self.stop_reason, job=self.job_id, failed_rank=self.stop_failed_rank
+            )
 
 
 class ProcessSlot:
@@ -245,7 +219,7 @@ class ProcessSlot:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()  # guards run, stores and a run's running/abort fields
+        self.lock = threading.Lock()  # guards run, stores, and a run's stop and links
         self._free = threading.Condition(self.lock)
         self.run: RankRun | None = None
         self._stores: dict[str, Any] = {}
@@ -270,42 +244,28 @@ class ProcessSlot:
         """Make ``run`` the process's rank once the slot is free, within ``timeout`` s.
 
         ``on_wait(holder)`` is called (with the lock held) when another rank holds the slot.
-        Returns False if it stayed taken.
+        Returns False if it stayed taken. A rank whose job was stopped while it waited
+        (:meth:`stop`) takes the slot at once, to end there (its caller checks
+        :meth:`stopped_before_start`).
         """
         with self._free:
             if self.run is not None and on_wait is not None:
                 on_wait(self.run)
-            if not self._free.wait_for(lambda: self.run is None, timeout=timeout):
+            if not self._free.wait_for(
+                lambda: self.run is None or run.job_id in self._stopped, timeout=timeout
+            ):
                 return False
+            if self.run is not None:  # stopped while it waited: it ends without the slot
+                return True
             self.run = run
         return True
 
-    def release(self, run: RankRun, after: Callable[[], None] | None = None) -> None:
-        """End ``run``: its helpers stop, and the next rank may claim the slot.
-
-        With ``after`` (the process group's teardown, which gloo makes take about 20 ms),
-        that runs first, on a thread of its own: the rank's task returns at once, and the
-        slot stays taken until the process is clean for the next rank.
-        """
-        with self.lock:
-            run.running = False
-        if after is None:
-            self._free_slot(run)
-            return
-
-        def finish() -> None:
-            try:
-                after()
-            except Exception:  # the next rank starts anyway: its own init says what is wrong
-                logger.warning("job %s: rank %d's teardown failed", run.job_id, run.rank,
-                               exc_info=True)  # fmt: skip
-            finally:
-                self._free_slot(run)
-
-        threading.Thread(target=finish, name=f"dask-ddp-teardown-{run.job_id}", daemon=True).start()
-
-    def _free_slot(self, run: RankRun) -> None:
+    def release(self, run: RankRun) -> None:
+        """End ``run``: its helpers stop, and the next rank may claim the slot. Call it
+        once the process is clean (the rank's process group destroyed): the rank's task
+        returns after it, and only then may the scheduler give its worker other work."""
         with self._free:
+            run.links = frozenset()
             if self.run is run:
                 self.run = None
                 self._free.notify_all()
@@ -322,10 +282,26 @@ class ProcessSlot:
         with self._free:
             return self._free.wait_for(lambda: self.run is None, timeout=timeout)
 
-    def stop_running(self, run: RankRun) -> None:
-        """Mark ``run`` past the point where an abort may be raised in it."""
-        with self.lock:
-            run.running = False
+    def stop(self, job_id: str, reason: str, failed_rank: int | None) -> RankRun | None:
+        """The supervisor asks ``job_id``'s rank in this process to stop: the run that is
+        asked, if one of that job holds the slot (it stops at its next safe point, and its
+        process group's connections are shut down so that a collective fails at once);
+        None if none does (then a rank of that job that starts later ends at once).
+
+        Nothing is raised into the rank's thread: see :meth:`RankRun.check_stop`.
+        """
+        with self._free:
+            active = self.run
+            if active is None or active.job_id != job_id:
+                self._stopped[job_id] = (reason, failed_rank)
+                while len(self._stopped) > _STOPPED_KEPT:
+                    self._stopped.popitem(last=False)
+                self._free.notify_all()  # a rank of that job waiting for the slot ends now
+                return None
+            if active.stop_reason is None:
+                active.stop_reason, active.stop_failed_rank = reason, failed_rank
+            _process.sever(active.links)
+            return active
 
     def put_store(self, job_id: str, store: Any) -> None:
         """Keep the TCPStore opened for ``job_id`` until its rank 0 takes it."""
@@ -336,14 +312,6 @@ class ProcessSlot:
         """Hand over (and forget) the store of ``job_id``; None if there is none."""
         with self.lock:
             return self._stores.pop(job_id, None)
-
-    def stop_before_start(self, job_id: str, reason: str, failed_rank: int | None) -> None:
-        """Remember that ``job_id`` was stopped while no rank of it ran here: a rank of it
-        that starts afterwards stops at once (see :meth:`stopped_before_start`).
-        Call with :attr:`lock` held."""
-        self._stopped[job_id] = (reason, failed_rank)
-        while len(self._stopped) > _STOPPED_KEPT:
-            self._stopped.popitem(last=False)
 
     def stopped_before_start(self, job_id: str) -> tuple[str, int | None] | None:
         """Why ``job_id`` was stopped before its rank started here, if it was."""

@@ -38,17 +38,23 @@ from . import (
     _traceback,
     events,
 )
+from ._protocol import RankOutcome, Restore, Verdict
 from ._slot import (
     PROCESS,
     CheckpointSettings,
     ProcessSlot,
     RankContext,
     RankRun,
-    Restore,
     slot_for,
 )
 from .context import _activated
-from .errors import RankStoppedError, RendezvousTimeoutError, RetryableError, WorkerBusyError
+from .errors import (
+    InfrastructureError,
+    RankStoppedError,
+    RendezvousTimeoutError,
+    RetryableError,
+    WorkerBusyError,
+)
 from .placement import RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -108,33 +114,50 @@ class Resized:
     step: int
 
 
-def outcome_of(value: Any = None, error: BaseException | None = None) -> dict[str, Any]:
-    """How a rank ended, in the plain values its final marker carries to the supervisor:
-    ``{"ok": True}``, ``{"grow": step}``, ``{"stopped": reason, "failed_rank": r}`` or
-    ``{"failed": "ValueError: ...", "retryable": bool, "traceback": text}``.
+def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOutcome:
+    """How a rank ended, decided here, on the rank, from the exception object itself: what
+    its final marker tells the supervisor (which never reads an exception's text).
 
-    >>> outcome_of(Resized(40))
-    {'grow': 40}
-    >>> outcome_of(error=RankStoppedError(0, "ValueError: x", failed_rank=1))
-    {'stopped': 'ValueError: x', 'failed_rank': 1}
+    An error earns a restart (``retry``) when it is a :class:`~dask_ddp.RetryableError`
+    (the user asks for one) or an :class:`~dask_ddp.InfrastructureError` (what runs the
+    job failed, not the job's code: a sample fetch, the store, a rendezvous).
+
+    >>> outcome_of(Resized(40)).verdict.value
+    'grow'
+    >>> o = outcome_of(error=RankStoppedError(0, "ValueError: x", failed_rank=1))
+    >>> o.verdict.value, o.failed_rank
+    ('stopped', 1)
+    >>> o = outcome_of(error=ValueError("bad batch"))
+    >>> o.verdict.value, o.error_class, o.summary
+    ('fail', 'builtins.ValueError', 'ValueError: bad batch')
+    >>> outcome_of(error=RendezvousTimeoutError(1, "tcp://a:1", "k", 60.0, "x")).verdict.value
+    'retry'
     """
     if error is None:
-        return {"grow": value.step} if isinstance(value, Resized) else {"ok": True}
+        if isinstance(value, Resized):
+            return RankOutcome(Verdict.GROW, step=value.step)
+        return RankOutcome(Verdict.DONE)
     if isinstance(error, RankStoppedError):
-        return {"stopped": error.reason, "failed_rank": error.failed_rank}
-    return {
-        "failed": f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS],
-        "retryable": isinstance(error, RetryableError),
-        "traceback": _traceback.plain_text(error),
-    }
+        peer_lost = error.failed_rank is not None and error.failed_rank < 0
+        return RankOutcome(
+            Verdict.STOPPED,
+            _class_path(error),
+            error.reason[:_MAX_ERROR_CHARS],
+            failed_rank=None if peer_lost else error.failed_rank,
+            peer_lost=peer_lost,
+        )
+    retry = isinstance(error, (RetryableError, InfrastructureError))
+    return RankOutcome(
+        Verdict.RETRY if retry else Verdict.FAIL,
+        _class_path(error),
+        f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS],
+        _traceback.plain_text(error),
+    )
 
 
-class _Abort(BaseException):
-    """Raised asynchronously in a rank's thread by :func:`abort_rank`.
-
-    A BaseException, so that ``except Exception`` in training code does not swallow it;
-    :func:`run_rank` turns it into :class:`~dask_ddp.errors.RankStoppedError`.
-    """
+def _class_path(error: BaseException) -> str:
+    cls = type(error)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _gpu_count() -> int:
@@ -193,26 +216,26 @@ def request_grow(job_id: str, dask_worker: Any = None) -> bool:
 def abort_rank(
     job_id: str, reason: str, failed_rank: int | None = None, dask_worker: Any = None
 ) -> bool:
-    """Stop this process's rank of ``job_id``, if it is still in the user's function.
+    """Ask this process's rank of ``job_id`` (an attempt's run id) to stop; return whether
+    one runs here.
 
-    Raises :class:`~dask_ddp.errors.RankStoppedError` (with ``reason``, and the rank that
-    failed first when one did) in the rank's thread at its next Python instruction. A
-    rank blocked inside a C++ collective only sees it once the collective returns; the
-    client restarts such workers after a grace period.
+    Nothing is raised into the rank's thread (that would leave the process half-way
+    through whatever it did, an import or torch's own bookkeeping, and the next rank on
+    this worker would inherit it). The rank stops at its next safe point
+    (:meth:`~dask_ddp._slot.RankRun.check_stop`: ``report()``, ``save_checkpoint()``,
+    between the set-up's stages), or at its next collective, which fails at once on its
+    severed connections; a rank waiting in the rendezvous or at a checkpoint is released.
+    A rank that does none of these within ``ddp.failure-grace`` has its worker restarted
+    by the supervisor.
+
+    When no rank of the job runs here, a rank of it that starts later ends at once, and
+    the store opened for it (on rank 0's worker) is closed: the worker is clean.
     """
     slot = slot_for(dask_worker)
-    with slot.lock:
-        active = slot.current()
-        if active is None or active.job_id != job_id:
-            # Its rank may be on its way (the task started, the rank not yet): it will stop
-            # as soon as it does, instead of running after its job was stopped.
-            slot.stop_before_start(job_id, reason, failed_rank)
-            return False
-        if not active.running:
-            return False
-        active.abort_reason, active.abort_failed_rank = reason, failed_rank
-        _process.sever(active.links)
-        _process.raise_in_thread(active.thread_id, _Abort)
+    active = slot.stop(job_id, reason, failed_rank)
+    if active is None:
+        slot.take_store(job_id)
+        return False
     if active.master is not None:  # in case it waits at the rendezvous, in C++
         threading.Thread(
             target=_release_waiters, args=(active.master,), name="dask-ddp-release", daemon=True
@@ -232,21 +255,34 @@ def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> It
             f"waiting for job {holder.job_id} (rank {holder.rank}) to finish on this worker",
         )
 
-    if not slot.claim(run, spec.rendezvous_timeout, on_wait=queued):
-        holder = slot.current()
-        raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
-    try:
+    def check_stopped() -> None:
         stopped = slot.stopped_before_start(spec.job_id)
-        if stopped is not None:  # the client stopped the job while this task was starting
+        if stopped is not None:  # the supervisor stopped the job while this task started
             reason, failed_rank = stopped
             raise RankStoppedError(
                 spec.placement.rank, reason, job=spec.job_id, failed_rank=failed_rank
             )
+
+    check_stopped()
+    if not slot.claim(run, spec.rendezvous_timeout, on_wait=queued):
+        holder = slot.current()
+        raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
+    try:
+        check_stopped()
         yield run
     finally:
-        # The process group goes after the task returns (the slot stays taken until then):
-        # gloo's teardown would otherwise add about 20 ms to every job's end.
-        slot.release(run, after=_release_process_group)
+        # The process is clean before the task returns: the scheduler gives the worker to
+        # the next task, or the next job, as soon as it sees the task end.
+        if slot.current() is run:
+            try:
+                with slot.lock:
+                    run.links = frozenset()  # closed with the group: never shut down again
+                _release_process_group()
+            except Exception:  # the next rank starts anyway: its own init says what is wrong
+                logger.warning(
+                    "job %s: rank %d's teardown failed", run.job_id, run.rank, exc_info=True
+                )
+        slot.release(run)
 
 
 def _torchrun_env(spec: RankSpec) -> dict[str, str]:
@@ -398,6 +434,7 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
         # store: the job went on without an abort.
         aborted = False
     if aborted:
+        run.check_stop()
         raise RankStoppedError(spec.placement.rank, "stopped while ranks gathered", job=spec.job_id)
 
 
@@ -409,9 +446,9 @@ def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
     """Wake every rank of a job that waits in :func:`_rendezvous` or for rank 0's word at a
     checkpoint (:func:`dask_ddp._resize.at_checkpoint`), marked as aborted.
 
-    A thread inside the C++ ``store.wait`` cannot take the asynchronous exception that
-    :func:`abort_rank` raises; without this a cancelled job's ranks would wait out the
-    rendezvous timeout and cost their workers a restart.
+    A thread inside the C++ ``store.wait`` sees no stop until the wait returns; without
+    this a stopped job's ranks would wait out the rendezvous timeout and cost their
+    workers a restart.
     """
     import torch.distributed as dist
 
@@ -530,10 +567,12 @@ def _run_in_slot(
     p = spec.placement
     store = run.store = _connect_store(spec, slot)  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
+    run.check_stop()
     if p.use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(0)
     if spec.init_process_group:
         before = _process.socket_fds()
+        _process.fresh_group_names()
         dist.init_process_group(
             spec.backend,
             store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
@@ -541,8 +580,14 @@ def _run_in_slot(
             world_size=p.world_size,
             timeout=timedelta(seconds=spec.timeout),
         )
-        run.links = _process.process_group_links(before, _process.dask_ports(worker))
+        links = _process.process_group_links(before, _process.dask_ports(worker))
+        with slot.lock:
+            run.links = links
+            stopped = run.stop_reason is not None
+        if stopped:  # asked while the group was being made: its peers must not wait on it
+            _process.sever(links)
         _rendezvous(store, spec, run, "initialised")
+        run.check_stop()
     _status.send(run, _status.RUNNING)
     ctx = RankContext(
         rank=p.rank,
@@ -579,10 +624,11 @@ def _run_in_slot(
         ):
             return fn(*args, **kwargs)
     except BaseException as exc:
-        slot.stop_running(run)
-        if run.abort_reason is not None:
+        if run.stop_reason is not None:  # its collective failed on the severed links
+            if isinstance(exc, RankStoppedError):
+                raise
             raise RankStoppedError(
-                p.rank, run.abort_reason, job=spec.job_id, failed_rank=run.abort_failed_rank
+                p.rank, run.stop_reason, job=spec.job_id, failed_rank=run.stop_failed_rank
             ) from exc
         first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
         with slot.lock:
@@ -594,8 +640,6 @@ def _run_in_slot(
         if first is not None:
             raise RankStoppedError(p.rank, first[1], failed_rank=first[0]) from exc
         raise
-    finally:
-        slot.stop_running(run)
 
 
 def _checkpointing(
@@ -632,8 +676,10 @@ def _checkpointing(
 
 
 def _release_process_group() -> None:
-    """Destroy the default process group, if the rank (or its script) left one."""
+    """Destroy the default process group, if the rank (or its script) left one, and leave
+    the next one's name as in a fresh process (see :func:`_process.fresh_group_names`)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _process.fresh_group_names()

@@ -56,7 +56,7 @@ class Settings:
     event_drain_timeout: float = 10.0
     scale_timeout: float = 300.0
     orphan_timeout: float = 600.0
-    max_resizes: int = 20
+    max_resizes: int | None = 20  # None: no limit
     checkpoint_mode: str = "async"
     checkpoint_replicas: bool = True
     replica_fraction: float = 0.25
@@ -153,7 +153,7 @@ def resolve(
         event_drain_timeout=_seconds(get("ddp.event-drain-timeout"), "event-drain-timeout"),
         scale_timeout=_seconds(get("ddp.scale-timeout"), "scale-timeout"),
         orphan_timeout=_seconds(get("ddp.orphan-timeout"), "orphan-timeout"),
-        max_resizes=_optional_int(get("ddp.max-resizes"), "max-resizes") or 0,
+        max_resizes=_optional_int(get("ddp.max-resizes"), "max-resizes"),
         checkpoint_mode=_mode(mode),
         checkpoint_replicas=bool(get("ddp.checkpoint.replicas")),
         replica_fraction=_fraction(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import operator
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -40,10 +41,16 @@ __all__ = [
 
 
 def _active_run(caller: str) -> RankRun:
-    """This process's rank run while the user's function runs, or NotInRankError."""
+    """This process's rank run while the user's function runs, or NotInRankError.
+
+    A safe point: a rank the supervisor asked to stop raises
+    :class:`~dask_ddp.RankStoppedError` here (in the rank's own process).
+    """
     run = this_slot().current()
     if run is None or run.context is None:
         raise NotInRankError(caller)
+    if run.pid == os.getpid():
+        run.check_stop()
     return run
 
 

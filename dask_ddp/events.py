@@ -40,6 +40,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from . import _dask_internals, _preload
 from ._progress import pick_curve_metric
+from ._protocol import DONE, RankOutcome
 from .errors import ChannelError, NotInRankError
 
 logger = logging.getLogger(__name__)
@@ -287,12 +288,12 @@ class RankChannel:
             if not self._buffer:
                 self._wake.set()
 
-    def close(self, outcome: dict[str, Any] | None = None) -> ChannelError | None:
+    def close(self, outcome: RankOutcome | None = None) -> ChannelError | None:
         """Send everything still buffered and the final marker; never raises.
 
         Parameters
         ----------
-        outcome : dict, optional
+        outcome : RankOutcome, optional
             How the rank ended (see :func:`dask_ddp.bootstrap.outcome_of`), carried by the
             final marker for the job's supervisor.
 
@@ -310,7 +311,7 @@ class RankChannel:
         try:
             if self._error is None:
                 self._flush()
-            self._emit({"end": self._seq, "outcome": outcome or {"ok": True}})
+            self._emit({"end": self._seq, "outcome": (outcome or DONE).to_wire()})
         except Exception as exc:  # reported to the rank's caller, which raises it
             self._error = self._error or exc
         if self._error is None:

@@ -1,23 +1,22 @@
-"""A job's life in the cluster: one state machine per job, on the scheduler's event loop.
+"""A job's supervisor on the scheduler: the facts of its life in, the actions carried out.
 
 :class:`Supervisor` runs one job from its launch to its end, whether or not the client that
 launched it is still there. It lives in dask-ddp's scheduler plugin
-(:mod:`dask_ddp._plugin`), which hands it what the scheduler sees (a rank task's end, a
-worker that left, a rank's events) and asks it to cancel. Its coroutine, :meth:`Supervisor.run`,
-reads the state, decides, logs one line and moves on::
+(:mod:`dask_ddp._plugin`), which hands it what the scheduler sees: a rank task's end, a
+worker that left or joined, a rank's events, a client that came or went, a cancel. Each
+becomes a typed fact of :mod:`dask_ddp._lifecycle`, whose one function,
+:func:`~dask_ddp._lifecycle.step`, decides what it means; the supervisor only carries out
+the actions it returns and feeds what comes of them back in, one fact at a time::
 
-    waiting ──> running ──> succeeded | failed | cancelled
-                 │   ^
-                 v   │
-          restarting | resizing
+    hooks, timers, finished actions --facts--> step() --actions--> pool, launcher, clients
+         ^                                                              |
+         +--------------------------------------------------------------+
 
-Every transition is one INFO line in the scheduler's log, one :class:`~dask_ddp.Transition`
-in the job's history, and one message on the job's event topic, which every client
-following the job reads (:mod:`dask_ddp._reader`). What happens when an attempt ends is
-decided in one place, :meth:`Supervisor._decide`: success, a restart (a lost worker in a
-fixed-size job, :class:`~dask_ddp.RetryableError`, while restarts are left), a resize (an
-elastic job that lost a worker, or grows onto new ones at a checkpoint: never a failure,
-bounded by ``ddp.max-resizes`` an hour), or the end.
+It decides nothing itself. Every transition is one INFO line in the scheduler's log, one
+:class:`~dask_ddp.Transition` in the job's history, and one message on the job's event
+topic, which every client following the job reads (:mod:`dask_ddp._reader`). An action that
+fails (placing, stopping ranks, restarting a worker) comes back as a fact, and the job's
+life acts on it.
 
 Nothing here blocks the event loop: placing is arithmetic on the scheduler's own worker
 table (:mod:`dask_ddp._pool`), everything else awaits the plugin's client
@@ -27,15 +26,18 @@ table (:mod:`dask_ddp._pool`), everything else awaits the plugin's client
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
 from typing import Any, Protocol
 
-from . import errors, events
-from ._launcher import Attempt, Launcher, wait_first
+from . import _lifecycle as lc
+from . import errors
+from ._launcher import Attempt, Launcher
 from ._ledger import CheckpointLedger, describe_sources, writer_rank
-from ._progress import Progress, ended_text
+from ._progress import Progress
+from ._protocol import RankOutcome, WireVersionError, job_topic
 from ._types import JobSpec, JobState, Transition
 from .errors import (
     DaskDDPError,
@@ -52,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 _CHECKPOINTS_KEPT = 1000  # checkpoints a job remembers (Job.checkpoints of a later client)
 _NOTES_KEPT = 20
-_HOUR = 3600.0
 
 
 class Host(Protocol):
@@ -83,37 +84,13 @@ class Size:
         return self.min_workers < self.max_workers
 
 
-@dataclasses.dataclass
-class _End:
-    """How an attempt ended, as :meth:`Supervisor._watch` found it."""
-
-    cancelled: str | None = None
-    grow: int | None = None  # the checkpoint's step, when the ranks stopped to grow
-    error: BaseException | None = None
-    cause_rank: int | None = None  # the rank whose failure or loss ended the attempt
-    lost: bool = False  # ended by a worker that left
-    retryable: bool = False
-
-    def stop_reason(self) -> str:
-        """What the ranks still running are told when they are stopped."""
-        if self.cancelled is not None:
-            return self.cancelled
-        if self.grow is not None:
-            return f"the job resizes at the checkpoint of step {self.grow}"
-        if isinstance(self.error, RankFailedError):
-            return self.error.cause
-        if isinstance(self.error, RankStoppedError):
-            return self.error.reason
-        return f"{type(self.error).__name__}: {str(self.error).split(chr(10), 1)[0]}"
-
-
 def first_line(error: BaseException) -> str:
     """An error in one line: its summary, else the first line of its text."""
     return str(getattr(error, "summary", None) or error).split("\n", 1)[0]
 
 
 class Supervisor:
-    """One job, attempt after attempt, as a coroutine on the scheduler's loop.
+    """One job, attempt after attempt, on the scheduler's loop.
 
     Parameters
     ----------
@@ -130,19 +107,27 @@ class Supervisor:
     def __init__(self, plugin: Host, spec: JobSpec, size: Size, datasets: Any = None) -> None:
         self.plugin, self.spec, self.size = plugin, spec, size
         self.job_id = spec.job_id
-        self.topic = events.job_topic(spec.job_id)
-        self.settings = spec.settings
-        self.state = JobState.WAITING
+        self.topic = job_topic(spec.job_id)
+        self.settings = settings = spec.settings
+        self.policy = lc.Policy(
+            min_workers=size.min_workers,
+            max_workers=size.max_workers,
+            max_restarts=spec.max_restarts,
+            max_resizes=settings.max_resizes,
+            failure_grace=settings.failure_grace,
+            drain=settings.event_drain_timeout,
+            scale_timeout=settings.scale_timeout,
+            orphan_timeout=settings.orphan_timeout,
+        )
+        self.life = lc.Life.new(self.policy)
         self.history: list[Transition] = []
         self.attempt: Attempt | None = None
-        self.restarts_left = spec.max_restarts
         self.error: BaseException | None = None
         self.wait_reason: str | None = None
         self.notes: list[str] = []
         self.progress = Progress()
         self.checkpoints: list[list[Any]] = []  # CheckpointInfo's fields, in order
         self.ledger = CheckpointLedger()  # durable checkpoints and replicas: restarts' source
-        self._replica_drops: set[asyncio.Future[None]] = set()
         self.followers: set[str] = set() if spec.detach or not spec.client else {spec.client}
         self.started = time.time()
         self.finished: float | None = None
@@ -150,20 +135,43 @@ class Supervisor:
         self.placed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.launcher = Launcher(plugin.client, plugin.scheduler, spec, plugin.gpus, datasets)
         self._datasets = datasets
-        self._changed = asyncio.Event()  # something the state machine reads has changed
-        self._cancel: str | None = None
+        self._facts: collections.deque[Any] = collections.deque()
+        self._stepping = False
+        self._timers: dict[lc.Timer, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._since = self.started  # when the job last stopped training
-        self._orphan: asyncio.TimerHandle | None = None
-        self._stopping: tuple[str, int | None] | None = None  # why the attempt is stopped
-        self._task: asyncio.Task[None] | None = None
-        self._wait_kind: str | None = None
+        self._restored: tuple[str | None, int | None] = (None, None)
+        self._wait_kind: lc.WaitKind | None = None
         self._version = 0  # of the last message to the clients (they ignore older ones)
-        self._limit: TooManyResizesError | None = None  # why it failed, past ddp.max-resizes
 
-    # -- what the plugin tells it (hooks on the scheduler's loop: never block) ------------
+    @property
+    def state(self) -> JobState:
+        """The job's state, as it was last published."""
+        return self.life.state
+
+    # -- facts: what the plugin tells it (hooks on the scheduler's loop: never block) ---------
     def start(self) -> None:
-        """Start the job's coroutine; :attr:`placed` resolves once it runs or waits."""
-        self._task = asyncio.ensure_future(self.run())
+        """Start the job's life; :attr:`placed` resolves once it runs or waits."""
+        self.feed(lc.Start())
+
+    def feed(self, fact: lc.Fact) -> None:
+        """Take one fact: its step, then its actions, before the next fact is taken (a fact
+        an action brings about waits its turn)."""
+        self._facts.append(fact)
+        if self._stepping:
+            return
+        self._stepping = True
+        try:
+            while self._facts:
+                fact = self._facts.popleft()
+                self.life, actions = lc.step(self.life, fact, self.policy, time.time())
+                for action in actions:
+                    try:
+                        self._act(action)
+                    except Exception:  # a bug: said loudly, and the job's life goes on
+                        logger.exception("dask-ddp job %s: %s failed", self.job_id, action)
+        finally:
+            self._stepping = False
 
     def on_event(self, msg: dict[str, Any]) -> None:
         """An event of the job's topic: what a rank told in the clear, or its final marker."""
@@ -174,116 +182,62 @@ class Supervisor:
             return
         told = msg.get("told")
         if told:
-            if "last" in told:
-                step, when, values = told["last"]
-                self.progress.add(
-                    rank, step, when, values, told.get("m", 1), told.get("pts"), told.get("first")
-                )
-                if not a.reported:
-                    a.reported = True
-                    self._first_step()
-            if "s" in told:
-                self.progress.set_status(rank, *told["s"])
-            for url, step, nbytes, when, stall, world in told.get("c", ()):
-                self.checkpoints.append([url, step, nbytes, rank, when, stall, world])
-                del self.checkpoints[:-_CHECKPOINTS_KEPT]
-                self.ledger.landed(rank, url, step, world)
-            for step, holder, world, _nbytes in told.get("p", ()):
-                self._replicated(rank, step, holder, world)
-            if "l" in told:
-                self._loaded(a, rank, told["l"])
+            self._told(a, rank, told)
         if "end" in msg:
-            outcome = msg.get("outcome") or {"ok": True}
-            a.markers[rank] = outcome
-            self.progress.end(rank, ended_text(outcome))
-            self._changed.set()
+            try:
+                outcome = RankOutcome.from_wire(msg["outcome"])
+            except (WireVersionError, KeyError, TypeError, ValueError) as exc:
+                self._note(f"rank {rank}: its final marker could not be read ({exc})")
+                return
+            self.progress.end(rank, outcome.describe())
+            self.feed(lc.RankEnded(a.number, rank, outcome))
+            self._publish()  # every client's view says how the rank ended, as decided here
 
-    def _replicated(self, rank: int, step: int, holder: str, world: int | None) -> None:
-        """A rank's checkpoint is in ``holder``'s memory too; the worker that held the one
-        before (an earlier attempt's holder) lets it go."""
-        before = self.ledger.replicated(rank, step, holder, world)
-        if before is not None:
-            key = (writer_rank(rank, world), world)
-            drop = asyncio.ensure_future(self.launcher.drop_replicas([before], key))
-            self._replica_drops.add(drop)
-            drop.add_done_callback(self._replica_drops.discard)
-
-    def _loaded(self, a: Attempt, rank: int, body: list[Any]) -> None:
-        """A rank loaded its state: ``Job.history`` says where it really came from."""
-        source, step, where = body
-        a.loaded.setdefault(rank, []).append(body)
-        planned = {r.source for r in a.specs[rank].restore} if rank < len(a.specs) else set()
-        if planned and source not in planned:
-            self._note(
-                f"attempt {a.number}: rank {rank} loaded the checkpoint of step {step} from "
-                f"the {source} ({where}), not from the {'+'.join(sorted(planned))} as planned"
+    def _told(self, a: Attempt, rank: int, told: dict[str, Any]) -> None:
+        if "last" in told:
+            step, when, values = told["last"]
+            self.progress.add(
+                rank, step, when, values, told.get("m", 1), told.get("pts"), told.get("first")
             )
-        sources: set[str] = set()
-        for r, spec in enumerate(a.specs):
-            told = a.loaded.get(r)
-            sources |= {b[0] for b in told} if told else {p.source for p in spec.restore}
-        steps = [b[1] for told in a.loaded.values() for b in told]
-        restored = (describe_sources(sources), max(steps))
-        for i in range(len(self.history) - 1, -1, -1):
-            entry = self.history[i]
-            if entry.state is JobState.RUNNING and entry.attempt == a.number:
-                if (entry.restored_from, entry.restored_step) != restored:
-                    self.history[i] = dataclasses.replace(
-                        entry, restored_from=restored[0], restored_step=restored[1]
-                    )
-                    self._publish()
-                break
+            if not a.reported:
+                a.reported = True
+                self._first_step()
+        if "s" in told:
+            phase = told["s"][0]
+            self.progress.set_status(rank, *told["s"])
+            if phase is not None:
+                self.feed(lc.RankStarted(a.number, rank))
+        for url, step, nbytes, when, stall, world in told.get("c", ()):
+            self.checkpoints.append([url, step, nbytes, rank, when, stall, world])
+            del self.checkpoints[:-_CHECKPOINTS_KEPT]
+            self.ledger.landed(rank, url, step, world)
+        for step, holder, world, _nbytes in told.get("p", ()):
+            self._replicated(rank, step, holder, world)
+        if "l" in told:
+            self._loaded(a, rank, told["l"])
 
     def on_task(self, rank: int, finish: str, info: dict[str, Any]) -> None:
         """Rank ``rank``'s task of the current attempt reached ``finish`` (memory, erred)."""
         a = self.attempt
-        if a is None or rank in a.ended:
-            return
-        a.ended[rank] = finish
-        if finish == "erred":
-            a.errors[rank] = str(info.get("exception_text") or "")
-        self._changed.set()
-
-    def on_worker_removed(self, address: str) -> None:
-        """A worker left the cluster: each rank of the current attempt there is lost, and its
-        task (left without a worker it may run on) fails with the reason at once, before a
-        worker of the same address could start it again. A finished rank's value that was
-        there is lost too: its task fails the same way instead of training again."""
-        a = self.attempt
         if a is None:
             return
-        for rank, worker in enumerate(a.workers):
-            if worker != address or rank in a.lost:
-                continue
-            if rank in a.ended:
-                if a.ended[rank] == "memory":
-                    lost = WorkerLostError(rank, address, a.keys[rank], finished=True)
-                    self.launcher.fail_lost(a, rank, lost)
-                continue
-            a.lost[rank] = address
-            if self._stopping is None:  # this loss ends the attempt
-                error: BaseException = WorkerLostError(rank, address, a.keys[rank])
-                self._stopping = (str(error), rank)
-                self.progress.end(rank, "lost: its worker left the cluster")
-            else:
-                reason, cause = self._stopping
-                error = RankStoppedError(rank, reason, job=a.run_id, failed_rank=cause)
-                self.progress.end(rank, f"stopped: {reason.split(':', 1)[0]}")
-            self.launcher.fail_lost(a, rank, error)
-        self._changed.set()
+        erred = finish == "erred"
+        summary = str(info.get("exception_text") or "") if erred else ""
+        self.feed(lc.TaskEnded(a.number, rank, erred, summary))
+
+    def on_worker_removed(self, address: str) -> None:
+        """A worker left the cluster."""
+        self.feed(lc.WorkerLost(address))
 
     def workers_changed(self) -> None:
         """Workers joined, left or were given back (a waiting job looks again; an elastic
         one may grow)."""
-        self._changed.set()
+        self.feed(lc.ClusterChanged(self._usable()))
 
     def follow(self, client: str) -> None:
         """A client attached: the job is followed again."""
         self.followers.add(client)
-        if self._orphan is not None:
-            self._orphan.cancel()
-            self._orphan = None
-            self._note(f"client {client} attached; the job is followed again")
+        self.feed(lc.ClientAttached())
 
     def unfollow(self, client: str) -> None:
         """A client left; with nobody left to follow it, the job is cancelled after
@@ -291,104 +245,205 @@ class Supervisor:
         if client not in self.followers:
             return
         self.followers.discard(client)
-        if self.followers or self.spec.detach or self.state.final or self._orphan is not None:
-            return
-        timeout = self.settings.orphan_timeout
-        self._note(
-            f"its last client left; the job goes on for {timeout:.0f} s (ddp.orphan-timeout) "
-            "for a client to attach (dask_ddp.attach), then is cancelled"
-        )
-        self._orphan = asyncio.get_running_loop().call_later(timeout, self._orphaned, timeout)
-
-    def _orphaned(self, timeout: float) -> None:
-        self._orphan = None
-        self.cancel(
-            f"no client followed the job for {timeout:.0f} s (ddp.orphan-timeout); attach "
-            "within that time to keep it, or launch with detach=True"
-        )
+        if not self.followers and not self.spec.detach:
+            self.feed(lc.ClientLeft())
 
     def cancel(self, reason: str) -> None:
         """Ask the job to stop (it ends cancelled); :attr:`stopped` is set once it has."""
-        if self._cancel is None and not self.state.final:
-            self._cancel = reason
-            self._changed.set()
+        self.feed(lc.CancelAsked(reason))
 
-    # -- the state machine ----------------------------------------------------------------
-    async def run(self) -> None:
-        """The job's life: place, watch, decide, again until it ends."""
-        try:
-            placed = await self._acquire()
-            while placed:
-                end = await self._watch()
-                state, reason = self._decide(end)
-                error = (self._limit or end.error) if state.final else None
-                self._transition(state, reason, error=error)
-                await self._stop(end)
-                if state.final:
-                    break
-                placed = await self._acquire()
-        except DaskDDPError as exc:  # placing failed: a timeout, a backend, lost data
-            self._fail_placement(exc)
-        except Exception as exc:  # the supervisor must never die silently
-            logger.exception("dask-ddp job %s: its supervisor failed", self.job_id)
-            self._fail_placement(exc)
-        finally:
-            await self._finish()
-
-    def _fail_placement(self, exc: BaseException) -> None:
-        if not self.placed.done():  # launch() raises it: nothing ran
-            self.placed.set_exception(exc)
-        if not self.state.final:
-            self._transition(JobState.FAILED, first_line(exc), error=exc)
-
-    async def _acquire(self) -> bool:
-        """Hold workers for the next attempt (waiting for them if need be), place it and
-        submit its ranks; False when the job ended instead (cancelled while it waited)."""
-        number = 0 if self.attempt is None else self.attempt.number + 1
-        need = self.size.min_workers
-        if self._cancel is not None:  # while the last attempt was being stopped
-            self._transition(JobState.CANCELLED, self._cancel)
-            return False
-        while True:
-            workers = self.plugin.pool.take(
-                self.job_id, self._candidates(number), want=self.size.max_workers, need=need
+    # -- actions ------------------------------------------------------------------------------
+    def _act(self, action: lc.Action) -> None:
+        pool = self.plugin.pool
+        if isinstance(action, lc.Ask):
+            self._ask(action)
+        elif isinstance(action, lc.Withdraw):
+            pool.withdraw(self.job_id)
+        elif isinstance(action, lc.Place):
+            self._spawn(self._place(action), lc.ActionKind.PLACE, action.attempt)
+        elif isinstance(action, lc.Abort):
+            self._spawn(self._abort(action), lc.ActionKind.ABORT, action.attempt)
+        elif isinstance(action, lc.RestartWorkers):
+            logger.warning(
+                "dask-ddp job %s: ranks on %s did not stop within %.0f s (ddp.failure-grace: "
+                "blocked in C++, or never at a safe point); restarting those workers",
+                self.job_id, sorted(action.workers), self.settings.failure_grace,
+            )  # fmt: skip
+            self._spawn(self._restart(action), lc.ActionKind.RESTART, action.attempt)
+        elif isinstance(action, lc.FailTask):
+            self._fail_task(action)
+        elif isinstance(action, lc.Release):
+            pool.release(self.job_id, action.workers)
+        elif isinstance(action, lc.Quarantine):
+            pool.quarantine(self.job_id, action.workers)
+            self._note(
+                f"workers {sorted(action.workers)} are kept out of dask-ddp jobs: a rank there "
+                "did not stop and the worker could not be restarted"
             )
-            if workers is None:
-                workers = await self._wait_for_workers(number, need)
-                if workers is None:
-                    self._transition(JobState.CANCELLED, self._cancel or "cancelled")
-                    return False
+        elif isinstance(action, lc.TakeMore):
+            self._take_more(action)
+        elif isinstance(action, lc.RequestGrow):
+            a = self.attempt
+            if a is not None and a.number == action.attempt:
+                self._spawn(self.launcher.request_grow(a), lc.ActionKind.GROW, a.number)
+        elif isinstance(action, lc.Demand):
+            pool.demand(self.job_id, action.missing)
+        elif isinstance(action, lc.Arm):
+            self._arm(action)
+        elif isinstance(action, lc.Disarm):
+            handle = self._timers.pop(action.timer, None)
+            if handle is not None:
+                handle.cancel()
+        elif isinstance(action, lc.Publish):
+            self._transition(action)
+        elif isinstance(action, lc.Waiting):
+            self._waiting(action)
+        elif isinstance(action, lc.Note):
+            self._note(action.text)
+        elif isinstance(action, lc.Finish):
+            self._spawn(self._finish(), None, 0)
+
+    def _spawn(self, work: Any, kind: lc.ActionKind | None, attempt: int) -> None:
+        """Run ``work`` on the loop; if it raises, that is a fact (``ActionFailed``)."""
+
+        async def run() -> None:
             try:
-                attempt = await self.launcher.prepare(
-                    number, workers, can_grow=len(workers) < self.size.max_workers
+                await work
+            except Exception as exc:
+                if kind is None:
+                    logger.exception("dask-ddp job %s: its end failed", self.job_id)
+                    return
+                why = f"{type(exc).__name__}: {exc}"
+                logger.warning("dask-ddp job %s: %s failed: %s", self.job_id, kind.value, why)
+                self.feed(lc.ActionFailed(kind, attempt, error=exc, why=why))
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ask(self, action: lc.Ask) -> None:
+        pool, number = self.plugin.pool, action.attempt
+        got = pool.take(self.job_id, self._candidates(number), want=action.want, need=action.need)
+        if got is not None:
+            self.feed(lc.Granted(tuple(got)))
+            return
+        named = number == 0 and isinstance(self.spec.workers, list)
+        pool.ask(
+            self.job_id,
+            lambda: self._candidates(number),
+            want=action.want,
+            need=action.need,
+            on_grant=lambda workers: self.feed(lc.Granted(tuple(workers))),
+            demand=not named,
+        )
+        self.feed(lc.Short(self._usable()))
+
+    def _usable(self) -> int:
+        """The cluster's workers, less those kept out of every job."""
+        return len(self.plugin.scheduler.workers) - len(self.plugin.pool.quarantined())
+
+    def _take_more(self, action: lc.TakeMore) -> None:
+        pool = self.plugin.pool
+        if not pool.free():
+            return
+        held = len(pool.held(self.job_id))
+        number = self.life.attempt + 1
+        got = pool.take(self.job_id, self._candidates(number), want=action.want, need=action.need)
+        if got is None:
+            return
+        logger.info(
+            "dask-ddp job %s: %d more workers free; the job grows to %d ranks at its next "
+            "checkpoint", self.job_id, len(got) - held, len(got),
+        )  # fmt: skip
+        self.feed(lc.Grew(tuple(got)))
+
+    async def _place(self, action: lc.Place) -> None:
+        """Probe, open the store, plan, submit: the attempt is placed (a fact), then its
+        futures are published for every client."""
+        workers = list(action.workers)
+        try:
+            attempt = await self.launcher.prepare(
+                action.attempt, workers, can_grow=len(workers) < self.size.max_workers
+            )
+        except OSError as exc:  # a worker left while it was probed: the pool forgot it
+            alive = all(w in self.plugin.scheduler.workers for w in workers)
+            self.feed(
+                lc.ActionFailed(
+                    lc.ActionKind.PLACE,
+                    action.attempt,
+                    error=exc,
+                    retry=not alive,
+                    why=f"{type(exc).__name__}: {exc}",
                 )
-            except OSError:  # a worker left while it was probed: the pool forgot it
-                if all(w in self.plugin.scheduler.workers for w in workers):
-                    raise
-                continue
-            break
-        if self.attempt is not None:
-            await self.launcher.unpublish(self.attempt)
-            self.plugin.unwatch_keys(self.attempt.keys)
-            await self._find_replicas(self.attempt)
-        restored = self._restore(attempt)
-        self.attempt, self._stopping = attempt, None
+            )
+            return
+        except DaskDDPError as exc:  # a backend without GPUs, a dataset partition lost
+            why = first_line(exc)
+            self.feed(lc.ActionFailed(lc.ActionKind.PLACE, action.attempt, error=exc, why=why))
+            return
+        last = self.attempt
+        if last is not None:
+            await self.launcher.unpublish(last)
+            self.plugin.unwatch_keys(last.keys)
+            await self._find_replicas(last)
+        self._restored = self._restore(attempt)
+        self.attempt = attempt
         self.plugin.watch_keys(self, attempt.keys)
         self.progress.place(attempt.workers)
         self.launcher.submit(attempt)
-        self.plugin.pool.demand(self.job_id, self.size.max_workers - len(workers))
         # Clients hear of the placement before any of its ranks can say a word ...
-        hosts = len({self.plugin.scheduler.workers[w].host for w in workers})
-        self._transition(
-            JobState.RUNNING, f"{len(workers)} ranks on {hosts} hosts", restored=restored
-        )
+        self.feed(lc.Placed(attempt.number, tuple(attempt.workers)))
         # ... then of its futures, once any client can read them.
         await self.launcher.publish(attempt)
         self._publish()
-        if not self.placed.done():
-            self.placed.set_result(None)
-        return True
 
+    async def _abort(self, action: lc.Abort) -> None:
+        a = self.attempt
+        if a is None or a.number != action.attempt:
+            return
+        idle = await self.launcher.abort(a, action.ranks, action.reason, action.cause)
+        self.feed(lc.AbortAnswered(action.attempt, frozenset(idle)))
+
+    async def _restart(self, action: lc.RestartWorkers) -> None:
+        done, failed = await self.launcher.restart(
+            sorted(action.workers),
+            self.plugin.pool,
+            timeout=self.settings.rendezvous_timeout,
+        )
+        if done:
+            self.feed(lc.WorkersRestarted(frozenset(done)))
+        if failed:
+            why = f"could not restart {sorted(failed)}"
+            self.feed(
+                lc.ActionFailed(lc.ActionKind.RESTART, action.attempt, frozenset(failed), why=why)
+            )
+
+    def _fail_task(self, action: lc.FailTask) -> None:
+        a = self.attempt
+        if a is None or a.number != action.attempt:
+            return
+        error: BaseException
+        if action.stopped is not None:
+            error = RankStoppedError(action.rank, action.stopped, job=a.run_id)
+            self.progress.end(action.rank, f"stopped: {action.stopped.split(':', 1)[0]}")
+        else:
+            error = WorkerLostError(
+                action.rank, action.worker, a.keys[action.rank], action.finished
+            )
+            if not action.finished:
+                self.progress.end(action.rank, "lost: its worker left the cluster")
+        self.launcher.fail_lost(a, action.rank, error)
+
+    def _arm(self, action: lc.Arm) -> None:
+        old = self._timers.pop(action.timer, None)
+        if old is not None:
+            old.cancel()
+        fact = lc.TimerFired(action.timer, action.token)
+        self._timers[action.timer] = asyncio.get_running_loop().call_later(
+            action.seconds, self.feed, fact
+        )
+
+    # -- placing ------------------------------------------------------------------------------
     async def _find_replicas(self, last: Attempt) -> None:
         """Ask the workers that keep the job's replicas what they hold before planning the
         next attempt: a rank's word that its replica landed is lost when its worker dies
@@ -396,7 +451,12 @@ class Supervisor:
         holders = self.ledger.holders() | {s.replica_holder for s in last.specs if s.replica_holder}
         if not holders:
             return
-        for holder, entries in (await self.launcher.held_replicas(sorted(holders))).items():
+        try:
+            held = await self.launcher.held_replicas(sorted(holders))
+        except Exception as exc:  # the restart reads the store instead
+            self._note(f"could not ask {sorted(holders)} which replicas they hold: {exc}")
+            return
+        for holder, entries in held.items():
             for writer, world, step in entries:
                 if self.ledger.found(writer, world, step, holder):
                     logger.info(
@@ -433,291 +493,111 @@ class Supervisor:
         ordered = order_workers([WorkerInfo(a, ws.host) for a, ws in workers.items()])
         return held + [w.address for w in ordered if w.address not in held]
 
-    async def _wait_for_workers(self, number: int, need: int) -> list[str] | None:
-        """Wait until the pool grants the job its workers; None if it was cancelled first.
+    # -- checkpoints the ranks told of --------------------------------------------------------
+    def _replicated(self, rank: int, step: int, holder: str, world: int | None) -> None:
+        """A rank's checkpoint is in ``holder``'s memory too; the worker that held the one
+        before (an earlier attempt's holder) lets it go."""
+        before = self.ledger.replicated(rank, step, holder, world)
+        if before is not None:
+            key = (writer_rank(rank, world), world)
+            self._cleanup(self.launcher.drop_replicas([before], key), f"drop a replica on {before}")
 
-        Workers held by other jobs are waited for as long as it takes; a cluster too small
-        for ``need`` is waited for ``ddp.scale-timeout`` (``ddp.rendezvous-timeout`` for a
-        fixed-size job's restart), then :class:`~dask_ddp.ScaleTimeoutError`.
-        """
-        limit = self.settings.scale_timeout
-        if number > 0 and not self.size.elastic:
-            limit = self.settings.rendezvous_timeout
-        named = number == 0 and isinstance(self.spec.workers, list)
-        granted = self.plugin.pool.ask(
-            self.job_id,
-            lambda: self._candidates(number),
-            want=self.size.max_workers,
-            need=need,
-            demand=not named,
-        )
-        short_since: float | None = None
-        try:
-            while not granted.done():
-                self._changed.clear()
-                if self._cancel is not None:
-                    return None
-                have, now = len(self.plugin.scheduler.workers), time.monotonic()
-                left = None
-                if have >= need:
-                    short_since = None
-                    why = (
-                        f"waiting for {need} free workers: other jobs hold some of the "
-                        f"cluster's {have}"
+    def _cleanup(self, work: Any, what: str) -> None:
+        """Run a clean-up that decides nothing; if it fails, the job's notes say so."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception as exc:
+                self._note(f"could not {what}: {type(exc).__name__}: {exc}")
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _loaded(self, a: Attempt, rank: int, body: list[Any]) -> None:
+        """A rank loaded its state: ``Job.history`` says where it really came from."""
+        source, step, where = body
+        a.loaded.setdefault(rank, []).append(body)
+        planned = {r.source for r in a.specs[rank].restore} if rank < len(a.specs) else set()
+        if planned and source not in planned:
+            self._note(
+                f"attempt {a.number}: rank {rank} loaded the checkpoint of step {step} from "
+                f"the {source} ({where}), not from the {'+'.join(sorted(planned))} as planned"
+            )
+        sources: set[str] = set()
+        for r, spec in enumerate(a.specs):
+            told = a.loaded.get(r)
+            sources |= {b[0] for b in told} if told else {p.source for p in spec.restore}
+        steps = [b[1] for told in a.loaded.values() for b in told]
+        restored = (describe_sources(sources), max(steps))
+        for i in range(len(self.history) - 1, -1, -1):
+            entry = self.history[i]
+            if entry.state is JobState.RUNNING and entry.attempt == a.number:
+                if (entry.restored_from, entry.restored_step) != restored:
+                    self.history[i] = dataclasses.replace(
+                        entry, restored_from=restored[0], restored_step=restored[1]
                     )
-                else:
-                    short_since = now if short_since is None else short_since
-                    left = limit - (now - short_since)
-                    if left <= 0:
-                        raise ScaleTimeoutError(self.job_id, need, have, limit)
-                    why = (
-                        f"waiting for the cluster to grow: {have} of at least {need} workers "
-                        f"there ({left:.0f} s left)"
-                    )
-                self._waiting(why)
-                await wait_first(granted, self._changed.wait(), timeout=left)
-            return granted.result()
-        finally:
-            if not granted.done():
-                self.plugin.pool.withdraw(self.job_id)
-            self.wait_reason, self._wait_kind = None, None
+                    self._publish()
+                break
 
-    def _waiting(self, why: str) -> None:
-        """Say what the job waits for: the first wait of a job is its ``waiting`` state; a
-        restart or resize that waits says it in its own state. One line per new reason."""
-        kind = why.split(":", 1)[0]
-        self.wait_reason = why
-        if self.state is JobState.WAITING and not self.history:
-            self._transition(JobState.WAITING, why)
-            if not self.placed.done():
-                self.placed.set_result(None)
-        elif kind != self._wait_kind:
-            logger.info("dask-ddp job %s: %s", self.job_id, why)
-            self._publish()
-        self._wait_kind = kind
-
-    async def _watch(self) -> _End:
-        """Watch the current attempt until its outcome is known: every rank finished, one
-        failed (or lost its worker), the ranks stopped to grow, or the job was cancelled.
-        An elastic job below its size takes free workers meanwhile and asks its ranks to
-        stop at their next checkpoint to grow onto them."""
-        a = self.attempt
-        assert a is not None
-        grace_until: float | None = None
-        drain_until: float | None = None
-        while True:
-            self._changed.clear()
-            now = time.monotonic()
-            if self._cancel is not None:
-                return _End(cancelled=self._cancel)
-            end = self._outcome(a, grace_over=grace_until is not None and now >= grace_until)
-            if end is not None:
-                return end
-            if grace_until is None and self._only_stopped(a):
-                # A rank stopped because of another: its own error comes within the grace.
-                grace_until = now + self.settings.failure_grace
-            if len(a.ended) == len(a.workers):  # every task finished: the last records come
-                drain_until = drain_until or now + self.settings.event_drain_timeout
-                if now >= drain_until:
-                    self._note_missing(a)
-                    return _End()
-            await self._grow(a)
-            timeout = min(
-                (t - now for t in (grace_until, drain_until) if t is not None), default=None
-            )
-            await wait_first(self._changed.wait(), timeout=timeout)
-
-    def _outcome(self, a: Attempt, *, grace_over: bool) -> _End | None:
-        """The attempt's outcome from what its ranks said and what their tasks did; None
-        while it is not known yet."""
-        grows = [o["grow"] for o in a.markers.values() if "grow" in o]
-        if grows:
-            return _End(grow=grows[0])
-        stopped: _End | None = None
-        for rank in range(len(a.workers)):
-            if rank in a.lost:
-                continue  # its task was failed for it: below
-            outcome = a.markers.get(rank)
-            if outcome is None and a.ended.get(rank) == "erred":
-                text = a.errors.get(rank, "")
-                outcome = (
-                    {"stopped": text, "failed_rank": -1}
-                    if text.startswith("RankStoppedError")
-                    else {"failed": text or "the rank's task failed", "retryable": False}
-                )
-            if outcome is None:
-                continue
-            if "failed" in outcome:
-                error = RankFailedError(
-                    rank, a.workers[rank], a.keys[rank], outcome["failed"],
-                    outcome.get("traceback") or "",
-                )  # fmt: skip
-                return _End(error=error, cause_rank=rank, retryable=outcome.get("retryable", False))
-            if "stopped" in outcome and stopped is None:
-                first = outcome.get("failed_rank")
-                error = RankStoppedError(rank, outcome["stopped"], failed_rank=first)
-                stopped = _End(
-                    error=error, cause_rank=first, retryable=first is not None and first < 0
-                )
-        if a.lost:
-            rank, worker = next(iter(a.lost.items()))
-            error = WorkerLostError(rank, worker, a.keys[rank])
-            return _End(error=error, cause_rank=rank, lost=True, retryable=True)
-        if stopped is not None and (grace_over or len(a.ended) == len(a.workers)):
-            return stopped
-        finished = len(a.ended) == len(a.workers) and all(e == "memory" for e in a.ended.values())
-        if finished and len(a.markers) == len(a.workers):
-            return _End()
-        return None
-
-    def _only_stopped(self, a: Attempt) -> bool:
-        return any("stopped" in o for o in a.markers.values())
-
-    def _decide(self, end: _End) -> tuple[JobState, str]:
-        """The one place where a job's next state is chosen, when an attempt has ended."""
-        if end.cancelled is not None:
-            return JobState.CANCELLED, end.cancelled
-        if end.grow is not None:
-            return self._resize(f"grow at the checkpoint of step {end.grow}")
-        if end.error is None:
-            return JobState.SUCCEEDED, "every rank finished"
-        why = first_line(end.error)
-        if self.size.elastic and (
-            end.lost or (end.retryable and not isinstance(end.error, RankFailedError))
-        ):
-            return self._resize(f"shrink: {why}")
-        if end.retryable and self.restarts_left > 0:
-            self.restarts_left -= 1
-            used = self.spec.max_restarts - self.restarts_left
-            return JobState.RESTARTING, (
-                f"{why}; restart {used} of {self.spec.max_restarts}, from the last checkpoint"
-            )
-        return JobState.FAILED, why
-
-    def _resize(self, why: str) -> tuple[JobState, str]:
-        """A resize, unless the job resized ``ddp.max-resizes`` times in the last hour."""
-        limit = self.settings.max_resizes
-        now = time.time()
-        recent = [t for t in self.history if t.state is JobState.RESIZING and t.time > now - _HOUR]
-        if len(recent) >= limit:
-            self._limit = TooManyResizesError(self.job_id, len(recent), limit, why)
-            return JobState.FAILED, first_line(self._limit)
-        return JobState.RESIZING, why
-
-    async def _grow(self, a: Attempt) -> None:
-        """An elastic job below its size takes free workers, then asks its ranks to stop at
-        their next checkpoint (they resize onto every worker the job holds by then)."""
-        if not self.size.elastic or a.grow_requested or self._stopping is not None:
-            return
-        held = len(self.plugin.pool.held(self.job_id))
-        if held >= self.size.max_workers or not self.plugin.pool.free():
-            return
-        got = self.plugin.pool.take(
-            self.job_id, self._candidates(a.number + 1), want=self.size.max_workers, need=held + 1
-        )
-        if got is None:
-            return
-        self.plugin.pool.demand(self.job_id, self.size.max_workers - len(got))
-        logger.info(
-            "dask-ddp job %s: %d more workers free; the job grows to %d ranks at its next "
-            "checkpoint", self.job_id, len(got) - held, len(got),
-        )  # fmt: skip
-        await self.launcher.request_grow(a)
-
-    async def _stop(self, end: _End) -> None:
-        """Stop the attempt's ranks still running: abort them in place, restart the workers
-        of those stuck in a C++ collective after ``ddp.failure-grace``, close the store,
-        and give clients a second for the records the stopped ranks sent on their way out."""
-        a = self.attempt
-        if a is None:
-            return
-        reason = end.stop_reason()
-        self._stopping = (reason, end.cause_rank)
-        grace = self.settings.failure_grace
-        running = a.running()
-        stuck: set[str] = set()
-        if running:
-            idle = await self.launcher.abort(a, running, reason, end.cause_rank)
-            deadline = time.monotonic() + grace
-            while a.running() and time.monotonic() < deadline:
-                self._changed.clear()
-                await wait_first(self._changed.wait(), timeout=deadline - time.monotonic())
-            # A rank whose task has not started (queued behind another task on its worker)
-            # stops as soon as it starts: restarting its worker would kill what it waits for.
-            stuck = {a.workers[r] for r in a.running()} - idle
-            if stuck:
-                await self.launcher.restart(a, sorted(stuck), grace)
-        if 0 not in a.markers and a.store_worker not in stuck:
-            await self.launcher.drop_store(a)  # rank 0 never took it (it never started)
-        await self._drain(a, min(self.settings.event_drain_timeout, 1.0))
-        if running:  # a rank stopped before it could say so (queued, or in its rendezvous)
-            stopped = ended_text({"stopped": reason, "failed_rank": end.cause_rank})
-            for rank in running:
-                self.progress.end(rank, stopped)
-
-    async def _drain(self, a: Attempt, timeout: float) -> None:
-        """Wait up to ``timeout`` for the final markers of the ranks whose task ended."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            missing = set(a.ended) - set(a.markers) - a.silent()
-            if not missing:
-                return
-            self._changed.clear()
-            await wait_first(self._changed.wait(), timeout=deadline - time.monotonic())
-
-    def _note_missing(self, a: Attempt) -> None:
-        for rank in sorted(set(range(len(a.workers))) - set(a.markers)):
-            text = (
-                f"rank {rank}: its final marker never arrived, so its last records may be missing"
-            )
-            logger.warning(
-                "dask-ddp job %s: %s after waiting %.0f s (ddp.event-drain-timeout)",
-                self.job_id, text, self.settings.event_drain_timeout,
-            )  # fmt: skip
-            self._note(text)
-
+    # -- the end ------------------------------------------------------------------------------
     async def _finish(self) -> None:
-        """The job is over: give its workers back, release its data, say so."""
+        """The job is over (its workers went back with its final state): what is left of
+        it goes, and it says so."""
         self.finished = time.time()
-        if self._orphan is not None:
-            self._orphan.cancel()
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
         self.plugin.pool.forget(self.job_id)
-        if self.ledger.holders():  # the job's replicas leave its holders' memory
-            await self.launcher.drop_replicas(sorted(self.ledger.holders()), None)
-        if self._datasets is not None:
-            await self._datasets.release(self.plugin.client)
         if not self.placed.done():
-            self.placed.set_result(None)
+            if self.history and self.history[-1].state is JobState.FAILED and self.attempt is None:
+                self.placed.set_exception(self.error or DaskDDPError("the job failed"))
+            else:
+                self.placed.set_result(None)
+        if self.ledger.holders():  # the job's replicas leave its holders' memory
+            try:
+                await self.launcher.drop_replicas(sorted(self.ledger.holders()), None)
+            except Exception as exc:
+                self._note(f"could not drop its checkpoint replicas: {exc}")
+        if self._datasets is not None:
+            try:
+                await self._datasets.release(self.plugin.client)
+            except Exception as exc:
+                self._note(f"could not release its datasets: {exc}")
         self.stopped.set()
         self._publish()
         self.plugin.job_ended(self)
 
-    # -- what it says ---------------------------------------------------------------------
-    def _transition(
-        self,
-        state: JobState,
-        reason: str,
-        *,
-        error: BaseException | None = None,
-        restored: tuple[str | None, int | None] = (None, None),
-    ) -> None:
-        """Enter ``state``: one history entry, one log line, one message to the clients."""
-        a = self.attempt
-        old, now = self.state, time.time()
+    # -- what it says -------------------------------------------------------------------------
+    def _transition(self, action: lc.Publish) -> None:
+        """Enter a state: one history entry, one log line, one message to the clients."""
+        state, now = action.state, time.time()
+        old = self.history[-1].state.value if self.history else "launched"
         if state in (JobState.RESTARTING, JobState.RESIZING) or state.final:
             self._since = now  # training stopped here
-        self.state = state
-        if error is not None:
-            self.error = error
-        if state is JobState.CANCELLED and self.error is None:
-            self.error = JobCancelledError(self.job_id, reason)
+        reason = action.reason
+        restored: tuple[str | None, int | None] = (None, None)
+        if state is JobState.RUNNING:
+            a = self.attempt
+            hosts = len(
+                {
+                    self.plugin.scheduler.workers[w].host
+                    for w in a.workers
+                    if w in self.plugin.scheduler.workers
+                }
+            )
+            reason = f"{len(a.workers)} ranks on {hosts} hosts"
+            restored = self._restored
+        if state.final:
+            self.error = self._error_of(state, action.ending)
         self.history.append(
             Transition(
                 state,
                 reason,
                 now,
-                attempt=a.number if a is not None else 0,
-                world_size=len(a.workers) if a is not None and state is not JobState.WAITING else 0,
+                attempt=action.attempt,
+                world_size=action.world_size,
                 since=self._since if state is JobState.RUNNING else None,
                 restored_from=restored[0],
                 restored_step=restored[1],
@@ -725,10 +605,50 @@ class Supervisor:
         )
         logger.info(
             "dask-ddp job %s (%s): %s -> %s: %s",
-            self.job_id, self.spec.name, old.value if len(self.history) > 1 else "launched",
-            state.value, reason, extra={"job_state": state.value},
+            self.job_id, self.spec.name, old, state.value, reason,
+            extra={"job_state": state.value},
         )  # fmt: skip
+        if state in (JobState.RUNNING, JobState.WAITING) and not self.placed.done():
+            self.placed.set_result(None)
         self._publish()
+
+    def _error_of(self, state: JobState, ending: lc.Ending | None) -> BaseException | None:
+        """The job's error, built from how it ended (for ``Job.result()`` and the views)."""
+        if state is JobState.CANCELLED:
+            return JobCancelledError(self.job_id, ending.why if ending else "cancelled")
+        if state is not JobState.FAILED or ending is None:
+            return None
+        kind, a = ending.kind, self.attempt
+        rank = ending.rank if ending.rank is not None else 0
+        key = a.keys[rank] if a is not None and rank < len(a.keys) else "?"
+        worker = ending.worker or "?"
+        outcome = ending.outcome
+        if kind is lc.EndKind.RANK and outcome is not None:
+            return RankFailedError(rank, worker, key, outcome.summary, outcome.traceback)
+        if kind is lc.EndKind.TASK:
+            return RankFailedError(rank, worker, key, ending.why.split(": ", 1)[-1])
+        if kind is lc.EndKind.LOST:
+            return WorkerLostError(rank, worker, key)
+        if kind is lc.EndKind.STOPPED and outcome is not None:
+            first = -1 if outcome.peer_lost else outcome.failed_rank
+            return RankStoppedError(rank, outcome.summary, failed_rank=first)
+        if kind is lc.EndKind.PLACEMENT and isinstance(ending.error, BaseException):
+            return ending.error
+        if kind is lc.EndKind.SCALE:
+            need, have, waited = ending.detail
+            return ScaleTimeoutError(self.job_id, need, have, waited)
+        if kind is lc.EndKind.RESIZES:
+            count, limit = ending.detail
+            return TooManyResizesError(self.job_id, count, limit, ending.why)
+        return DaskDDPError(ending.why)
+
+    def _waiting(self, action: lc.Waiting) -> None:
+        """Say what the job waits for: one line per new kind of wait."""
+        self.wait_reason = lc.wait_text(action.wait, action.seconds_left)
+        if action.wait.kind is not self._wait_kind:
+            logger.info("dask-ddp job %s: %s", self.job_id, self.wait_reason)
+            self._publish()
+        self._wait_kind = action.wait.kind
 
     def _first_step(self) -> None:
         """The current attempt's first record arrived: its ``running`` entry says when."""
@@ -760,6 +680,7 @@ class Supervisor:
     def public_state(self) -> dict[str, Any]:
         """The job as clients see it (msgpack-able): state, placement, history, error."""
         a = self.attempt
+        waiting = self.wait_reason if self.life.phase is lc.Phase.WAITING else None
         return {
             "kind": "state",
             "version": self._version,
@@ -773,7 +694,7 @@ class Supervisor:
             "dataset": a.dataset if a is not None and a.published else None,
             "keys": list(a.keys) if a is not None else [],
             "ended": [s.ended for s in self.progress.status] if a is not None else [],
-            "waiting": self.wait_reason,
+            "waiting": waiting,
             "history": [t.to_wire() for t in self.history],
             "error": errors.to_wire(self.error) if self.error is not None else None,
             "notes": list(self.notes),
@@ -790,11 +711,12 @@ class Supervisor:
         caps them, the last 20 notes, no printed output)."""
         a = self.attempt
         error = self.error
+        waiting = self.wait_reason if self.life.phase is lc.Phase.WAITING else None
         return {
             "job": self.job_id,
             "name": self.spec.name,
             "state": self.state.value,
-            "waiting": self.wait_reason,
+            "waiting": waiting,
             "total": self.spec.total_steps,
             "backend": a.backend if a is not None else "",
             "elapsed": (self.finished or time.time()) - self.started,

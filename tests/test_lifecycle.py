@@ -107,6 +107,9 @@ class World:
         self.check_quiet()
 
     # -- what the actions do ----------------------------------------------------------------
+    def usable(self) -> int:
+        return sum(self.pool.get(w) != "quarantine" for w in self.cluster)
+
     def free(self) -> list[str]:
         return sorted(w for w in self.cluster if w not in self.pool)
 
@@ -128,7 +131,7 @@ class World:
     def pool_changed(self) -> None:
         """The pool grants what it can, then tells the job (in that order, as WorkerPool)."""
         self.try_grant()
-        self.queue.append(lc.ClusterChanged(len(self.cluster)))
+        self.queue.append(lc.ClusterChanged(self.usable()))
 
     def act(self, action: Any) -> None:
         if isinstance(action, lc.Ask):
@@ -137,7 +140,7 @@ class World:
             self.request = (action.want, action.need)
             self.try_grant()
             if self.request is not None:
-                self.queue.append(lc.Short(len(self.cluster)))
+                self.queue.append(lc.Short(self.usable()))
         elif isinstance(action, lc.Withdraw):
             self.request = None
         elif isinstance(action, lc.Place):
@@ -163,7 +166,10 @@ class World:
         elif isinstance(action, lc.Quarantine):
             for w in action.workers:
                 if w in self.cluster:
+                    if not any(p.worker == w and self.harmful(p) for p in self.procs):
+                        raise InvariantBroken(f"quarantined {w}, where no rank runs")
                     self.pool[w] = "quarantine"
+            self.pool_changed()
         elif isinstance(action, lc.TakeMore):
             held = sorted(self.held())
             new = self.free()[: max(0, action.want - len(held))]
@@ -225,12 +231,16 @@ class World:
                         p.told_stop = True
             self.queue.append(lc.AbortAnswered(action.attempt, frozenset(idle)))
         elif kind == "restart":
-            alive = [w for w in action.workers if w in self.cluster]
+            # The nannies end the processes (the workers leave), then the supervisor hears
+            # back once their successors joined; or the restart fails.
             if self.rng.random() < 0.1:
                 self.queue.append(lc.ActionFailed(lc.ActionKind.RESTART, workers=action.workers))
                 return
-            for w in alive:
-                self.kill(w, replace=True)
+            for w in action.workers:
+                if w in self.cluster:
+                    self.kill(w, replace=True)
+            self.later.append(("restarted", action))
+        elif kind == "restarted":
             self.queue.append(lc.WorkersRestarted(frozenset(action.workers)))
 
     def kill(self, w: str, *, replace: bool) -> None:
