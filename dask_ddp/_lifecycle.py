@@ -30,7 +30,8 @@ The phases of a job, inside its public :class:`~dask_ddp.JobState`::
   the rank never started there and will end at once if it does, or the worker was
   restarted or left. A rank still running ``ddp.failure-grace`` after the abort has its
   worker restarted; a worker that cannot be restarted is quarantined, never reused.
-- ``ended``: the job holds no worker, and only now is its final state published.
+- ``ended``: the job holds no worker, and only now is its final state published (while
+  its ranks stop, its public state is ``stopping``: its end and its error are known).
 """
 
 from __future__ import annotations
@@ -891,6 +892,8 @@ class _Step:
         life = self.life
         running = tuple(i for i, r in enumerate(life.ranks) if not r.clean)
         if running:
+            if state.final:  # decided, and said so (the error is known), while they stop
+                self.publish(JobState.STOPPING, self.reason(state, ending), ending)
             workers = tuple(life.ranks[i].worker for i in running)
             reason = ending.why if ending.kind is not EndKind.CANCELLED else life.cancel or ""
             self.actions.append(Abort(life.attempt, running, workers, reason, ending.rank))

@@ -45,6 +45,7 @@ class JobModel:
         # The supervisor's word (apply_state).
         self.version = -1  # of the last message taken
         self.state = JobState.WAITING
+        self.outcome: JobState | None = None  # where it ends, once decided (or final)
         self.attempt = 0
         self.run_id: str | None = None
         self.workers: list[str] = []
@@ -87,6 +88,8 @@ class JobModel:
             self.version = msg.get("version", 0)
             new = msg.get("run_id") != self.run_id and msg.get("run_id") is not None
             self.state = JobState(msg["state"])
+            outcome = msg.get("outcome")
+            self.outcome = JobState(outcome) if outcome else None
             self.name = msg.get("name") or self.name
             self.attempt = msg.get("attempt", 0)
             self.run_id = msg.get("run_id")

@@ -25,7 +25,6 @@ from distributed import Client
 
 from . import _dask_internals, _topics, events
 from ._model import JobModel
-from ._types import JobState
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +124,7 @@ class EventReader:
     async def _state(self, msg: dict[str, Any]) -> None:
         self.model.apply_state(msg)
         await self.fetch_futures()
-        state = JobState(msg["state"])
-        if state.final:
+        if msg.get("outcome"):  # decided: final, or stopping its ranks on the way there
             await self._callbacks_done()
             if msg.get("stopped"):
                 self._warn_missing()

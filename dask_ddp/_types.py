@@ -28,7 +28,7 @@ class JobState(str, enum.Enum):
 
     ::
 
-        waiting ──> running ──> succeeded | failed | cancelled
+        waiting ──> running ──> [stopping] ──> succeeded | failed | cancelled
                      │   ^
                      v   │
               restarting | resizing
@@ -41,7 +41,12 @@ class JobState(str, enum.Enum):
       again, from the last checkpoint.
     - ``resizing``: an elastic job changes size: a worker left (it shrinks) or workers
       joined (it grows at its next checkpoint). Never a failure.
-    - ``succeeded``, ``failed``, ``cancelled``: final.
+    - ``stopping``: the job's end is decided (a rank failed, or it was cancelled) and its
+      error known (:meth:`Job.result <dask_ddp.Job.result>` raises it already); its ranks
+      still running are being stopped. It ends in the decided state once every worker is
+      free again (a rank that does not stop within ``ddp.failure-grace`` has its worker
+      restarted).
+    - ``succeeded``, ``failed``, ``cancelled``: final; the job holds no worker.
 
     Examples
     --------
@@ -55,6 +60,7 @@ class JobState(str, enum.Enum):
     RUNNING = "running"
     RESTARTING = "restarting"
     RESIZING = "resizing"
+    STOPPING = "stopping"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"

@@ -591,6 +591,8 @@ class Supervisor:
             restored = self._restored
         if state.final:
             self.error = self._error_of(state, action.ending)
+        elif state is JobState.STOPPING and self.life.next_state is not None:
+            self.error = self._error_of(self.life.next_state, action.ending)
         self.history.append(
             Transition(
                 state,
@@ -687,6 +689,7 @@ class Supervisor:
             "job": self.job_id,
             "name": self.spec.name,
             "state": self.state.value,
+            "outcome": self._outcome(),
             "attempt": a.number if a is not None else 0,
             "run_id": a.run_id if a is not None else None,
             "workers": list(a.workers) if a is not None else [],
@@ -704,6 +707,15 @@ class Supervisor:
             "started": self.started,
             "detached": self.spec.detach,
         }
+
+    def _outcome(self) -> str | None:
+        """The state the job ends in, once that is decided (while it is ``stopping``)."""
+        life = self.life
+        if life.state.final:
+            return life.state.value
+        if life.state is JobState.STOPPING and life.next_state is not None:
+            return life.next_state.value
+        return None
 
     def summary(self) -> dict[str, Any]:
         """What the ``/ddp/`` page draws: the live view's state, capped (each rank's values

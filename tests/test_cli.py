@@ -251,7 +251,8 @@ OWN_SNAPSHOTS = textwrap.dedent(
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    print("WORLD", dist.get_world_size(), os.environ["TORCHELASTIC_MAX_RESTARTS"], flush=True)
+    line = f"WORLD {dist.get_world_size()} {os.environ['TORCHELASTIC_MAX_RESTARTS']}\\n"
+    os.write(1, line.encode())  # one write: the ranks share the terminal
     dist.destroy_process_group()
     """
 )

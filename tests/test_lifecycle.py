@@ -367,6 +367,8 @@ class World:
                 raise InvariantBroken(f"an ended job's published state is {life.state}")
         elif life.state.final:
             raise InvariantBroken(f"{life.state} published while the job is {life.phase}")
+        if life.state is JobState.STOPPING and life.phase is not lc.Phase.STOPPING:
+            raise InvariantBroken(f"'stopping' published while the job is {life.phase}")
         if before.phase is lc.Phase.ENDED:
             allowed = (lc.Release,)
             if any(not isinstance(a, allowed) for a in actions):
@@ -530,7 +532,8 @@ def test_cancel_while_placing_stops_the_attempt_once_placed() -> None:
     life, actions = lc.step(life, lc.CancelAsked("stop"), p, 0.0)
     assert actions == [] and life.phase is lc.Phase.PLACING  # the launcher is busy placing
     life, actions = lc.step(life, lc.Placed(0, ("a", "b")), p, 0.0)
-    assert not any(isinstance(a, lc.Publish) for a in actions)  # never said "running"
+    published = [a.state for a in actions if isinstance(a, lc.Publish)]
+    assert published == [JobState.STOPPING]  # never said "running"; its end is known
     assert lc.Abort(0, (0, 1), ("a", "b"), "stop", None) in actions
     assert lc.Arm(lc.Timer.STOP, 5.0, life.armed(lc.Timer.STOP)) in actions
     life, actions = lc.step(life, lc.AbortAnswered(0, frozenset({"a"})), p, 0.0)

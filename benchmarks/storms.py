@@ -1,0 +1,296 @@
+"""Cancel and kill storms: a job's life under unlucky timing, with CPU load beside it.
+
+Cancel storm: launch a 2-rank job, cancel it 0 to 1 s later (while it is placed, while its
+ranks gather, while they train, or while they import), then run the next job on the same
+workers. Most rounds train the way DDP does (a collective every step: they stop at once);
+every fifth spins in Python without ever reaching a point where it could stop, so its
+workers must be restarted. Kill storm: a 2-rank job on 3 workers, checkpoints every 5
+steps, ``max_restarts=3``; one rank's worker process is SIGKILLed 0 to 3 s after launch
+(at start, while training, while checkpointing). It must restart from its last
+checkpoint and train every step exactly once; then the next job runs on the same workers.
+
+After every round the next job checks that its workers inherited nothing from a stopped
+rank: torch names its process group as a fresh process would, no module is left half
+imported, and the process group works. The script prints each round, then the slowest
+time from ``cancel()`` to the workers being free, and from the kill to the job's end.
+
+    python benchmarks/storms.py                       # 200 cancel rounds, 50 kill rounds
+    python benchmarks/storms.py --cancel 20 --kill 5  # what the test suite runs
+
+Exit status 1 if any round stranded the cluster, lost a step or broke a worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+import torch
+import torch.distributed as dist
+from distributed import Client, LocalCluster
+
+import dask_ddp
+
+STEPS = 40  # steps of the kill storm's job
+EVERY = 5  # its checkpoint interval
+NEXT_JOB_TIMEOUT = 120.0  # the next job must run within this (seconds): else "stranded"
+
+
+class StormFailure(AssertionError):
+    """A round stranded the cluster, lost a step or left a worker broken."""
+
+
+# -- what the ranks run -------------------------------------------------------------------
+def train_until_stopped(cooperative: bool) -> None:
+    """Trains until cancelled: a collective and a report every step (as DDP does), or a
+    pure-Python spin that never reaches a point where a rank can be stopped."""
+    import sympy  # noqa: F401  (a large lazy import a stop could land in)
+
+    t = torch.ones(256)
+    step = 0
+    while True:
+        if cooperative:
+            dist.all_reduce(t)
+            dask_ddp.report({"step": step}, step=step)
+            time.sleep(0.005)
+        else:
+            deadline = time.monotonic() + 0.05
+            while time.monotonic() < deadline:
+                pass
+        step += 1
+
+
+def train_with_checkpoints(steps: int, every: int, step_seconds: float) -> dict[str, Any]:
+    """Adds ``step`` to a running sum at each step, checkpointing every ``every`` steps and
+    resuming from the last checkpoint: the sum at the end says whether every step was
+    applied exactly once."""
+    ckpt = dask_ddp.get_checkpoint()
+    total, start = (ckpt["total"], ckpt["step"] + 1) if ckpt else (torch.zeros(1), 0)
+    for step in range(start, steps):
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the ranks train together
+        total += step
+        dask_ddp.report({"total": float(total)}, step=step)
+        time.sleep(step_seconds)
+        if step % every == every - 1:
+            dask_ddp.save_checkpoint({"total": total.clone(), "step": step}, step=step)
+    return {"total": float(total), "attempt": dask_ddp.get_context().attempt}
+
+
+def inherited_nothing() -> list[str]:
+    """What a rank finds wrong in its process, left by a rank before it (empty: clean)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    problems = []
+    if c10d._world.group_count != 1:
+        problems.append(f"torch's process-group counter is {c10d._world.group_count}, not 1")
+    half = [
+        name
+        for name, module in list(sys.modules.items())
+        if getattr(getattr(module, "__spec__", None), "_initializing", False)
+    ]
+    if half:
+        problems.append(f"modules left half imported: {half[:5]}")
+    import sympy
+
+    if not hasattr(sympy, "logic"):
+        problems.append("sympy has no attribute 'logic'")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if t.item() != dist.get_world_size():
+        problems.append(f"all_reduce gave {t.item()}")
+    return problems
+
+
+# -- the storms ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def cpu_load(processes: int) -> Iterator[None]:
+    """``processes`` CPU-busy processes beside the storm."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def check_next_job(client: Client, workers: int, where: str) -> float:
+    """Run the next job on every worker; its ranks must find nothing left behind.
+    Returns how long it took."""
+    start = time.monotonic()
+    job = dask_ddp.launch(client, inherited_nothing, workers=workers, name="next")
+    try:
+        problems = job.result(timeout=NEXT_JOB_TIMEOUT)
+    except TimeoutError:
+        raise StormFailure(
+            f"{where}: the next job did not run within {NEXT_JOB_TIMEOUT:.0f} s: "
+            f"{job.state.value}, {job.history[-1].reason if job.history else ''}"
+        ) from None
+    found = [f"rank {r}: {p}" for r, ps in enumerate(problems) for p in ps]
+    if found:
+        raise StormFailure(f"{where}: the next job's workers were not clean: {found}")
+    return time.monotonic() - start
+
+
+def cancel_round(client: Client, rng: random.Random, number: int) -> dict[str, Any]:
+    """One launch, one cancel at a random moment, one next job."""
+    cooperative = number % 5 != 4
+    job = dask_ddp.launch(client, train_until_stopped, args=(cooperative,), name="storm")
+    delay = rng.uniform(0, 1)
+    time.sleep(delay)
+    seen = job.state.value
+    start = time.monotonic()
+    job.cancel()
+    freed = time.monotonic() - start
+    if job.state is not dask_ddp.JobState.CANCELLED:
+        raise StormFailure(f"cancel round {number}: the job ended {job.state.value}")
+    where = f"cancel round {number} (after {delay:.3f} s, {seen})"
+    next_job = check_next_job(client, 2, where)
+    return {"delay": delay, "state": seen, "cooperative": cooperative, "freed": freed,
+            "next": next_job}  # fmt: skip
+
+
+def kill_round(
+    client: Client, rng: random.Random, number: int, directory: str, step_seconds: float
+) -> dict[str, Any]:
+    """One launch, one SIGKILL of a rank's worker process at a random moment, the job's
+    end from its checkpoints, one next job."""
+    pids = client.run(os.getpid)
+    url = os.path.join(directory, f"round{number}")
+    job = dask_ddp.launch(
+        client, train_with_checkpoints, args=(STEPS, EVERY, step_seconds), workers=2,
+        max_restarts=3, checkpoint_dir=url, name="kill-storm",
+    )  # fmt: skip
+    delay = rng.uniform(0, 3)
+    victim = rng.randrange(2)
+    time.sleep(delay)
+    seen = job.state.value
+    worker = job.workers[victim] if job.workers else None
+    killed = None
+    if worker in pids:
+        os.kill(pids[worker], signal.SIGKILL)
+        killed = time.monotonic()
+    where = f"kill round {number} (rank {victim} after {delay:.3f} s, {seen})"
+    try:
+        totals = [o["total"] for o in job.result(timeout=NEXT_JOB_TIMEOUT)]
+    except dask_ddp.WorkerLostError as exc:
+        if not (exc.finished and job.state is dask_ddp.JobState.SUCCEEDED):
+            raise StormFailure(f"{where}: the job did not end well: {exc}") from exc
+        # Killed after it finished: its value went with the worker; its records remain.
+        last = {m.rank: m.metrics["total"] for m in job.metrics if m.step == STEPS - 1}
+        totals = list(last.values())
+    except Exception as exc:
+        raise StormFailure(
+            f"{where}: the job did not end well: {type(exc).__name__}: {exc}"
+        ) from exc
+    expected = float(sum(range(STEPS)))
+    if len(totals) != 2 or any(t != expected for t in totals):
+        raise StormFailure(f"{where}: trained {totals}, not every step once ({expected})")
+    recovered = time.monotonic() - killed if killed is not None else float("nan")
+    client.wait_for_workers(3, timeout=NEXT_JOB_TIMEOUT)
+    next_job = check_next_job(client, 3, where)
+    restarts = sum(t.state is dask_ddp.JobState.RESTARTING for t in job.history)
+    return {"delay": delay, "state": seen, "restarts": restarts, "recovered": recovered,
+            "next": next_job}  # fmt: skip
+
+
+def storm_cluster(workers: int) -> LocalCluster:
+    """A LocalCluster for a storm. Its nannies stay: SpecCluster closes a worker's nanny
+    ``distributed.deploy.lost-worker-timeout`` after a removal if no worker of that name is
+    there at that moment, which a worker killed twice within that time can hit while it
+    restarts (a distributed quirk, not a dask-ddp one)."""
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "1 hour"})
+    return LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+    )
+
+
+def run_cancel_storm(rounds: int, seed: int, say: Any = print) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    results = []
+    with storm_cluster(2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2)
+        for number in range(rounds):
+            r = cancel_round(client, rng, number)
+            results.append(r)
+            say(
+                f"cancel {number:3d}: after {r['delay']:.3f} s ({r['state']}, "
+                f"{'trains' if r['cooperative'] else 'spins'}): freed in {r['freed']:.2f} s, "
+                f"next job {r['next']:.2f} s"
+            )
+    return results
+
+
+def run_kill_storm(
+    rounds: int, seed: int, step_seconds: float = 0.1, say: Any = print
+) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    results = []
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        storm_cluster(3) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(3)
+        for number in range(rounds):
+            r = kill_round(client, rng, number, directory, step_seconds)
+            results.append(r)
+            say(
+                f"kill {number:3d}: after {r['delay']:.3f} s ({r['state']}): "
+                f"{r['restarts']} restarts, ended {r['recovered']:.2f} s after the kill, "
+                f"next job {r['next']:.2f} s"
+            )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cancel", type=int, default=200, help="cancel rounds (200)")
+    parser.add_argument("--kill", type=int, default=50, help="kill rounds (50)")
+    parser.add_argument("--load", type=int, default=2, help="CPU-busy processes beside (2)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from _common import header
+
+    print(header("storms"))
+    print(f"{args.cancel} cancel rounds, {args.kill} kill rounds, {args.load} CPU-busy processes")
+    try:
+        with cpu_load(args.load):
+            cancels = run_cancel_storm(args.cancel, args.seed) if args.cancel else []
+            kills = run_kill_storm(args.kill, args.seed) if args.kill else []
+    except StormFailure as exc:
+        print(f"FAILED: {exc}")
+        return 1
+    if cancels:
+        freed = sorted(r["freed"] for r in cancels)
+        spins = [r["freed"] for r in cancels if not r["cooperative"]]
+        trains = [r["freed"] for r in cancels if r["cooperative"]]
+        print(
+            f"cancel: {len(cancels)} rounds, every next job ran; workers free after cancel(): "
+            f"slowest {freed[-1]:.2f} s, median {freed[len(freed) // 2]:.2f} s; training "
+            f"ranks slowest {max(trains, default=float('nan')):.2f} s, spinning ranks "
+            f"(their workers restarted) slowest {max(spins, default=float('nan')):.2f} s"
+        )
+    if kills:
+        ended = sorted(r["recovered"] for r in kills if r["recovered"] == r["recovered"])
+        print(
+            f"kill: {len(kills)} rounds, every job trained each step once and every next job "
+            f"ran; {sum(r['restarts'] for r in kills)} restarts; kill -> job ended: slowest "
+            f"{ended[-1] if ended else float('nan'):.2f} s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
