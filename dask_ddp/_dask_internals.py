@@ -114,6 +114,36 @@ def drop_topic(topic: str, client_id: str | None, dask_scheduler: Any = None) ->
     return True
 
 
+def add_scheduler_handler(scheduler: Any, name: str, handler: Callable[..., Any]) -> None:
+    """Serve ``handler`` as the scheduler's RPC ``name`` (what its extensions do); the
+    plugin's own handlers, which clients call by name (:func:`call_scheduler`).
+
+    Private: ``Scheduler.handlers`` is the server's handler table.
+    """
+    scheduler.handlers[name] = handler
+
+
+def remove_scheduler_handler(scheduler: Any, name: str) -> None:
+    """Stop serving the scheduler RPC ``name``; nothing if it is not served."""
+    scheduler.handlers.pop(name, None)
+
+
+def call_scheduler(client: Any, name: str, /, **kwargs: Any) -> Any:
+    """Call the scheduler's RPC ``name`` (one a plugin added) from ``client`` and return
+    its answer (a synchronous client waits; an asynchronous one gets a coroutine).
+
+    Private: ``Client.scheduler``, the client's connection pool to its scheduler.
+    """
+    return client.sync(getattr(client.scheduler, name), **kwargs)
+
+
+def pickled(value: Any) -> Any:
+    """``value`` wrapped to travel pickled in an RPC message (a dataclass, bytes inside)."""
+    from distributed.protocol.serialize import ToPickle
+
+    return ToPickle(value)
+
+
 async def call_worker(client: Any, worker: str, handler: str, **kwargs: Any) -> Any:
     """Call the RPC ``handler`` (one a worker plugin added, see :func:`add_worker_handler`)
     of ``worker`` from ``client``'s event loop, worker to client, without the scheduler.

@@ -22,17 +22,24 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from . import _dask_internals, _replicas, bootstrap, events
-from ._protocol import Restore, dataset_name, run_id_of
-from ._types import JobSpec
-from .placement import (
-    WorkerInfo,
-    choose_backend,
-    order_workers,
-    plan_ranks,
+from . import _dask_internals
+from ._protocol import (
+    CheckpointPlan,
+    Entry,
+    EventPlan,
+    RankSpec,
+    Rendezvous,
+    Restore,
+    acall,
+    call,
+    dataset_name,
+    flush_interval,
+    job_topic,
     rank_key,
-    replica_holders,
+    run_id_of,
 )
+from ._types import JobSpec
+from .placement import WorkerInfo, choose_backend, order_workers, plan_ranks, replica_holders
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +69,7 @@ class Attempt:
     backend: str
     store_worker: str
     keys: list[str]
-    specs: list[bootstrap.RankSpec]
+    specs: list[RankSpec]
     futures: list[Any] = dataclasses.field(default_factory=list)
     loaded: dict[int, list[list[Any]]] = dataclasses.field(default_factory=dict)
     reported: bool = False  # a rank of this attempt reported a record
@@ -108,7 +115,7 @@ class Launcher:
         rank0 = order_workers([WorkerInfo(a, hosts[a]) for a in workers])[0].address
         targets = sorted({rank0, *(a for a in workers if a not in self.gpus)})
         probes = await self.client.run(
-            bootstrap.probe_worker, run_id, rank0, settings.rendezvous_timeout, workers=targets
+            acall, Entry.PROBE, run_id, rank0, settings.rendezvous_timeout, workers=targets
         )
         for address, probe in probes.items():
             self.gpus[address] = (probe["gpu_count"], probe["cuda_visible_devices"])
@@ -143,9 +150,7 @@ class Launcher:
                 logger.warning("job %s: could not close its store on %s: %s", run_id, rank0, exc)
             raise
         port = probes[rank0]["store_port"]
-        flush = events.flush_interval(
-            len(plan), settings.event_flush_interval, settings.job_event_rate
-        )
+        flush = flush_interval(len(plan), settings.event_flush_interval, settings.job_event_rate)
         if flush > settings.event_flush_interval:
             logger.info(
                 "job %s: %d ranks send their records every %.2f s, not every %.2f s, to keep "
@@ -159,36 +164,46 @@ class Launcher:
             port,
         )  # fmt: skip
         holders: list[str | None] = [None] * len(plan)
-        if spec.rank_options.get("checkpoint_dir") and settings.checkpoint_replicas:
+        if spec.checkpoint_dir and settings.checkpoint_replicas:
             spare = [
                 WorkerInfo(a, ws.host) for a, ws in self.scheduler.workers.items() if a not in hosts
             ]
             holders = replica_holders(plan, order_workers(spare))
+        rendezvous = Rendezvous(
+            backend=backend,
+            master_addr=hosts[rank0],
+            master_port=port,
+            timeout=settings.timeout,
+            rendezvous_timeout=settings.rendezvous_timeout,
+            init_process_group=spec.init_process_group,
+        )
+        plan_events = EventPlan(
+            job_topic(spec.job_id), flush_interval=flush, max_event_bytes=settings.max_event_bytes
+        )
         specs = [
-            bootstrap.RankSpec(
-                job_id=run_id,
+            RankSpec(
+                job_id=spec.job_id,
+                run_id=run_id,
                 key=rank_key(spec.name, run_id, p.rank),
                 attempt=number,
-                backend=backend,
-                timeout=settings.timeout,
-                rendezvous_timeout=settings.rendezvous_timeout,
-                master_addr=hosts[rank0],
-                master_port=port,
+                placement=p,
+                rendezvous=rendezvous,
+                events=plan_events,
+                checkpoint=CheckpointPlan(
+                    directory=spec.checkpoint_dir,
+                    keep_last=spec.keep_last,
+                    storage_options=spec.storage_options,
+                    mode=settings.checkpoint_mode,
+                    replica_holder=holders[p.rank],
+                    replica_fraction=settings.replica_fraction,
+                ),
+                max_restarts=spec.max_restarts,
+                pass_local_rank=spec.pass_local_rank,
                 threads_per_rank=settings.threads_per_rank,
                 allow_daemon_children=settings.allow_daemon_children,
                 tune_malloc=settings.tune_malloc,
-                placement=p,
-                event_flush_interval=flush,
-                max_event_bytes=settings.max_event_bytes,
-                datasets=shares[p.rank],
                 can_grow=can_grow,
-                job=spec.job_id,
-                topic=events.job_topic(spec.job_id),
-                max_restarts=spec.max_restarts,
-                checkpoint_mode=settings.checkpoint_mode,
-                replica_holder=holders[p.rank],
-                replica_fraction=settings.replica_fraction,
-                **spec.rank_options,
+                datasets=shares[p.rank],
             )
             for p in plan
         ]
@@ -205,7 +220,7 @@ class Launcher:
     def restore_from(self, attempt: Attempt, plans: Sequence[tuple[Restore, ...]]) -> None:
         """Tell each rank of ``attempt`` where its state comes from (before it is submitted)."""
         attempt.specs = [
-            dataclasses.replace(spec, restore=plan)
+            dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, restore=plan))
             for spec, plan in zip(attempt.specs, plans, strict=True)
         ]
 
@@ -219,7 +234,7 @@ class Launcher:
         if not alive:
             return {}
         held = await self.client.run(
-            _replicas.held_for, self.spec.job_id, workers=alive, on_error="return"
+            call, Entry.HELD_REPLICAS, self.spec.job_id, workers=alive, on_error="return"
         )
         return {w: entries for w, entries in held.items() if isinstance(entries, list)}
 
@@ -229,14 +244,15 @@ class Launcher:
         alive = sorted(set(workers) & set(self.scheduler.workers))
         if alive:
             await self.client.run(
-                _replicas.drop_job, self.spec.job_id, key, workers=alive, on_error="return"
+                call, Entry.DROP_REPLICAS, self.spec.job_id, key, workers=alive, on_error="return"
             )
 
     def submit(self, attempt: Attempt) -> None:
         """Submit the attempt's rank tasks (they go out on the client's stream)."""
         attempt.futures = [
             self.client.submit(
-                bootstrap.run_rank,
+                call,
+                Entry.RUN_RANK,
                 self.spec.payload,
                 spec,
                 key=spec.key,
@@ -275,7 +291,7 @@ class Launcher:
         if not targets:
             return set()
         answers = await self.client.run(
-            bootstrap.abort_rank, attempt.run_id, reason, failed_rank, workers=targets,
+            call, Entry.ABORT, attempt.run_id, reason, failed_rank, workers=targets,
             on_error="return",
         )  # fmt: skip
         for worker, answer in answers.items():
@@ -324,11 +340,11 @@ class Launcher:
         _dask_internals.fail_task(self.scheduler, attempt.keys[rank], pickle.dumps(error))
 
     async def _drop_store(self, run_id: str, worker: str) -> None:
-        await self.client.run(bootstrap.drop_store, run_id, workers=[worker], on_error="return")
+        await self.client.run(call, Entry.DROP_STORE, run_id, workers=[worker], on_error="return")
 
     async def request_grow(self, attempt: Attempt) -> None:
         """Ask the attempt's rank 0 to stop every rank at its next checkpoint."""
         await self.client.run(
-            bootstrap.request_grow, attempt.run_id, workers=[attempt.store_worker],
+            call, Entry.REQUEST_GROW, attempt.run_id, workers=[attempt.store_worker],
             on_error="return",
         )  # fmt: skip

@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import checkpoint, events, view
+from . import _protocol as protocol
+from . import view
 from ._progress import Progress
-from ._types import JobState, MetricRecord, OutputLine, Transition
+from ._types import CheckpointInfo, JobState, MetricRecord, OutputLine, Transition
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class JobModel:
         # What the ranks sent (add).
         self.metrics: list[MetricRecord] = []
         self.output: collections.deque[OutputLine] = collections.deque(maxlen=_OUTPUT_LINES)
-        self.checkpoints: list[checkpoint.CheckpointInfo] = []
+        self.checkpoints: list[CheckpointInfo] = []
         self.results: dict[str, collections.deque[tuple[int, str, Any]]] = {}
         self.progress = Progress()
         self._own_notes: list[str] = []  # what this client noticed (a callback failed, ...)
@@ -88,7 +89,7 @@ class JobModel:
             self.version = msg.get("version", 0)
             new = msg.get("run_id") != self.run_id and msg.get("run_id") is not None
             self.state = JobState(msg["state"])
-            outcome = msg.get("outcome")
+            outcome = msg.get("outcome") or (self.state.value if self.state.final else None)
             self.outcome = JobState(outcome) if outcome else None
             self.name = msg.get("name") or self.name
             self.attempt = msg.get("attempt", 0)
@@ -120,14 +121,14 @@ class JobModel:
             self.futures = (dataset, futures)
             self.cond.notify_all()
 
-    def seed(self, summary: dict[str, Any], checkpoints: list[list[Any]]) -> None:
+    def seed(self, summary: dict[str, Any], checkpoints: list[dict[str, Any]]) -> None:
         """What an attaching client learns of the job so far: each rank's progress and
         curve (the capped summary the cluster keeps), and its checkpoints."""
         with self.cond:
             self.progress.seed(
                 summary.get("ranks", []), summary.get("records", 0), summary.get("metric")
             )
-            self.checkpoints = [checkpoint.CheckpointInfo(*c) for c in checkpoints]
+            self.checkpoints = [CheckpointInfo(**c) for c in checkpoints]
             self.cond.notify_all()
 
     def add(self, rank: int, msgs: list[list[Any]], *, current: bool) -> tuple[list, list]:
@@ -137,24 +138,28 @@ class JobModel:
         printed: list[OutputLine] = []
         with self.cond:
             for kind, body in msgs:
-                if kind == events.METRICS:
-                    step, when, values = body
-                    records.append(MetricRecord(rank, step, when, values))
+                if kind == protocol.METRICS:
+                    m = protocol.Metric(*body)
+                    records.append(MetricRecord(rank, m.step, m.time, m.values))
                     if current:
-                        self.progress.add(rank, step, when, values)
-                elif kind == events.CHECKPOINT:
-                    url, step, nbytes, when, stall, world = body
-                    info = checkpoint.CheckpointInfo(url, step, nbytes, rank, when, stall, world)
+                        self.progress.add(rank, m.step, m.time, m.values)
+                elif kind == protocol.CHECKPOINT:
+                    c = protocol.CheckpointNote(*body)
+                    info = CheckpointInfo(
+                        c.url, c.step, c.nbytes, rank, c.time, c.stall, c.world_size
+                    )
                     if info not in self.checkpoints:
                         self.checkpoints.append(info)
-                elif kind == events.RESULT:
-                    key, path, data = body
-                    self.results.setdefault(key, collections.deque()).append((rank, path, data))
-                elif kind == events.OUTPUT:
-                    stream, text = body
-                    printed += [OutputLine(rank, stream, line) for line in text.split("\n")]
-                elif kind == events.STATUS and current:
-                    self.progress.set_status(rank, *body)
+                elif kind == protocol.RESULT:
+                    r = protocol.Result(*body)
+                    self.results.setdefault(r.key, collections.deque()).append(
+                        (rank, r.path, r.data)
+                    )
+                elif kind == protocol.OUTPUT:
+                    o = protocol.Output(*body)
+                    printed += [OutputLine(rank, o.stream, line) for line in o.text.split("\n")]
+                elif kind == protocol.STATUS and current:
+                    self.progress.set_status(rank, *protocol.Status(*body))
             self.metrics.extend(records)
             self.output.extend(printed)
             self.cond.notify_all()

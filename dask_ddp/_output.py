@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from . import events
+from ._protocol import OUTPUT
 
 
 class _Forward(io.TextIOBase):
@@ -69,7 +70,7 @@ class _Forward(io.TextIOBase):
 
     def _send(self, lines: str) -> None:
         with contextlib.suppress(Exception):  # the rank's channel closed: the log has it
-            self._put(events.OUTPUT, [self._name, lines], "print")
+            self._put(OUTPUT, [self._name, lines], "print")
 
 
 @contextlib.contextmanager

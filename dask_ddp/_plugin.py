@@ -16,11 +16,14 @@ scheduler starts. It holds:
 - the ``/ddp/`` pages and Prometheus gauges (:mod:`dask_ddp._dashboard`).
 
 Scheduler hooks hand each supervisor what concerns it: a rank task's end (``transition``),
-its events (``log_event``), a worker that left, a client that left. Clients call the
-plugin with ``Client.run_on_scheduler`` and the coroutines at the end of this module
-(:func:`submit_job`, :func:`cancel_job`, :func:`attach_job`, :func:`list_jobs`,
-:func:`forget_job`); the plugin answers with plain values, and tells the clients that
-follow a job what happens to it on the job's event topic.
+its events (``log_event``), a worker that joined or left, a client that left. Clients call
+the plugin through scheduler handlers of its own, by name
+(:data:`dask_ddp._protocol.HANDLERS`, from :mod:`dask_ddp._cluster`): each answers with
+plain values, a refusal too (``{"refused": ...}``, never a raised error that the
+scheduler would log with the job's payload), and the plugin tells the clients that follow
+a job what happens to it on the job's event topic. It registers the workers' plugins by
+name (:class:`dask_ddp._protocol.NamedWorkerPlugin`): the scheduler never imports the
+ranks' code.
 """
 
 from __future__ import annotations
@@ -28,24 +31,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from . import _dashboard, _dask_internals, _preload, _replicas, events
+from . import _dashboard, _dask_internals, _preload
 from . import config as _config
 from ._pool import WorkerPool
+from ._protocol import HANDLERS, Entry, NamedWorkerPlugin, call, order_mark
 from ._types import JobSpec
 from .errors import (
+    DaskDDPError,
     JobNameTakenError,
     JobNotFoundError,
     JobStillRunningError,
     NoWorkersError,
     SchedulerPluginError,
+    to_wire,
 )
 from .placement import select_workers
 from .supervise import Size, Supervisor
@@ -95,6 +98,15 @@ class DaskDDPPlugin(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self.pool = WorkerPool(scheduler, on_change=self._workers_changed)
+        for what, handler in (
+            ("launch", self._handle_launch),
+            ("cancel", self._handle_cancel),
+            ("attach", self._handle_attach),
+            ("list", self._handle_list),
+            ("forget", self._handle_forget),
+            ("ready", self._handle_ready),
+        ):
+            _dask_internals.add_scheduler_handler(scheduler, HANDLERS[what], handler)
         self._ready = asyncio.Event()
         # A preloaded plugin starts under the scheduler's start-up lock: a start() that
         # waited for its own client's connection would wait for itself.
@@ -114,8 +126,12 @@ class DaskDDPPlugin(SchedulerPlugin):
             )
             # Workers serve large rank messages to clients directly (dask_ddp.events), and
             # checkpoint replicas to each other (dask_ddp._replicas).
-            await self.client.register_plugin(events.BlobHandler())
-            await self.client.register_plugin(_replicas.ReplicaPlugin())
+            await self.client.register_plugin(
+                NamedWorkerPlugin(Entry.BLOB_HANDLER, "dask-ddp-blob-handler")
+            )
+            await self.client.register_plugin(
+                NamedWorkerPlugin(Entry.REPLICA_PLUGIN, "dask-ddp-replicas")
+            )
         except Exception:
             logger.exception("dask-ddp: the plugin could not connect to its scheduler")
             raise
@@ -139,6 +155,44 @@ class DaskDDPPlugin(SchedulerPlugin):
     async def close(self) -> None:
         if self._app is not None:
             _dashboard.remove_pages(self, self._app)
+        for name in HANDLERS.values():
+            _dask_internals.remove_scheduler_handler(self.scheduler, name)
+
+    # -- what clients ask, by name (dask_ddp._cluster): plain values, refusals too -------------
+    async def _handle_launch(self, spec: JobSpec) -> dict[str, Any]:
+        try:
+            return {"state": await self.launch(spec)}
+        except DaskDDPError as exc:
+            return {"refused": to_wire(exc)}
+
+    async def _handle_cancel(self, job: str, reason: str) -> dict[str, Any]:
+        try:
+            found = self.find(job)
+        except DaskDDPError as exc:
+            return {"refused": to_wire(exc)}
+        found.cancel(reason)
+        await found.stopped.wait()
+        return {"state": found.public_state()}
+
+    def _handle_attach(self, job: str, client: str | None = None) -> dict[str, Any]:
+        try:
+            return {"state": self.attach(job, client)}
+        except DaskDDPError as exc:
+            return {"refused": to_wire(exc)}
+
+    def _handle_list(self) -> dict[str, Any]:
+        return {"rows": _dashboard.rows(self)}
+
+    async def _handle_forget(self, job: str) -> dict[str, Any]:
+        try:
+            await self.forget(job)
+        except DaskDDPError as exc:
+            return {"refused": to_wire(exc)}
+        return {}
+
+    async def _handle_ready(self) -> dict[str, Any]:
+        await self.ready()
+        return {"ready": True}
 
     # -- hooks ---------------------------------------------------------------------------
     def add_worker(self, scheduler: Any, worker: str) -> None:
@@ -166,8 +220,8 @@ class DaskDDPPlugin(SchedulerPlugin):
             job.on_event(msg)
 
     def remove_client(self, scheduler: Any, client: str) -> None:
-        scheduler.extensions["publish"].datasets.pop(_order_mark(client), None)
-        _dask_internals.drop_published_client(scheduler, _order_mark(client))
+        scheduler.extensions["publish"].datasets.pop(order_mark(client), None)
+        _dask_internals.drop_published_client(scheduler, order_mark(client))
         for job in list(self.jobs.values()):
             job.unfollow(client)
 
@@ -273,7 +327,7 @@ class DaskDDPPlugin(SchedulerPlugin):
         return {
             **found.public_state(),
             "summary": found.summary(),
-            "checkpoints": list(found.checkpoints),
+            "checkpoints": [dataclasses.asdict(c) for c in found.checkpoints],
         }
 
     async def forget(self, job_id: str) -> None:
@@ -294,7 +348,7 @@ class DaskDDPPlugin(SchedulerPlugin):
             workers = sorted(set(job.attempt.workers) & set(self.scheduler.workers))
             if workers:
                 await self.client.run(
-                    events.drop_held, job.job_id, workers=workers, on_error="return"
+                    call, Entry.DROP_HELD, job.job_id, workers=workers, on_error="return"
                 )
 
     def _drop(self, job: Supervisor) -> None:
@@ -311,120 +365,15 @@ def _plugin_of(scheduler: Any) -> DaskDDPPlugin:
     return plugin
 
 
-# -- run on the scheduler (Client.run_on_scheduler) ----------------------------------------
-async def _launch(spec: JobSpec, dask_scheduler: Any = None) -> dict[str, Any]:
-    return await _plugin_of(dask_scheduler).launch(spec)
-
-
-async def _cancel(job_id: str, reason: str, dask_scheduler: Any = None) -> None:
-    job = _plugin_of(dask_scheduler).find(job_id)
-    job.cancel(reason)
-    await job.stopped.wait()
-
-
-def _attach(job: str, client: str | None, dask_scheduler: Any = None) -> dict[str, Any]:
-    return _plugin_of(dask_scheduler).attach(job, client)
-
-
-def _rows(dask_scheduler: Any = None) -> list[dict[str, Any]]:
-    return _dashboard.rows(_plugin_of(dask_scheduler))
-
-
-async def _forget(job_id: str, dask_scheduler: Any = None) -> None:
-    await _plugin_of(dask_scheduler).forget(job_id)
-
-
-async def install_on(server: Any) -> None:
-    """Install the plugin on ``server`` if it is a scheduler (the ``dask_setup`` of
-    ``--preload dask_ddp`` and ``--preload dask_ddp.dashboard``)."""
-    if hasattr(server, "register_scheduler_plugin"):
-        await server.register_scheduler_plugin(DaskDDPPlugin(), name=PLUGIN_NAME, idempotent=True)
-
-
-async def _ready(dask_scheduler: Any = None) -> bool:
-    """Whether the plugin is there, once it is ready (its client connected, the workers'
-    handler for large messages registered)."""
-    plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
-    if plugin is None:
+async def install_on(dask_scheduler: Any) -> bool:
+    """Install the plugin on ``dask_scheduler`` if it is a scheduler and has none yet, and
+    wait until it is ready: the ``dask_setup`` of ``--preload dask_ddp`` and ``--preload
+    dask_ddp.dashboard``, and what a client runs on the scheduler (by name,
+    :data:`dask_ddp._protocol.Entry.INSTALL_PLUGIN`) the first time it launches."""
+    if not hasattr(dask_scheduler, "register_scheduler_plugin"):
         return False
-    await plugin.ready()
+    if PLUGIN_NAME not in dask_scheduler.plugins:
+        plugin = DaskDDPPlugin()
+        await dask_scheduler.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
+    await dask_scheduler.plugins[PLUGIN_NAME].ready()
     return True
-
-
-# -- the client's side ---------------------------------------------------------------------
-_installed: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
-_install_lock = threading.Lock()
-
-
-def install(client: Client) -> None:
-    """Install :class:`DaskDDPPlugin` on ``client``'s scheduler, once per client.
-
-    Raises
-    ------
-    SchedulerPluginError
-        The scheduler did not take it (dask-ddp is not importable there, or registering
-        plugins is blocked there).
-    """
-    with _install_lock:
-        if _installed.get(client):
-            return
-        try:
-            # Installed already (by another client, or `--preload dask_ddp`): nothing to do,
-            # on a scheduler that refuses plugin registration too.
-            if not client.run_on_scheduler(_ready):
-                client.register_plugin(DaskDDPPlugin(), name=PLUGIN_NAME)
-                # A scheduler that blocks the handler may answer nothing rather than an error.
-                if not client.run_on_scheduler(_ready):
-                    raise RuntimeError("the plugin is not in the scheduler's plugins")
-        except Exception as exc:
-            raise SchedulerPluginError(
-                client.scheduler.address, f"{type(exc).__name__}: {exc}"
-            ) from exc
-        _installed[client] = True
-
-
-def _order_mark(client_id: str) -> str:
-    return f"dask-ddp-order-{client_id}"
-
-
-def submit_job(client: Client, spec: JobSpec, follow: Callable[[], Any]) -> dict[str, Any]:
-    """Hand ``spec`` to the cluster, once ``follow()`` subscribed this client to the job's
-    topic; the job's state once it runs or waits.
-
-    The job comes after everything this client sent before it: a task submitted just
-    before ``launch()`` on a worker the job uses runs before the job's rank there, as if
-    the client had submitted both. ``Client.publish_dataset`` returns only once the
-    scheduler has read the client's stream that far (the marker is one small dataset per
-    client, dropped when the client leaves). The marker goes first: the client's stream
-    sends at once when it has been idle, but holds what follows a send for its batch
-    interval (10 ms), and the subscription need not be waited for (the supervisor
-    subscribes the launching client itself).
-    """
-    install(client)
-    client.publish_dataset(None, name=_order_mark(client.id), override=True)
-    follow()
-    return client.run_on_scheduler(_launch, spec)
-
-
-def cancel_job(client: Client, job_id: str, reason: str) -> None:
-    """Cancel a job; return once its ranks stopped."""
-    install(client)
-    client.run_on_scheduler(_cancel, job_id, reason)
-
-
-def attach_job(client: Client, job: str) -> dict[str, Any]:
-    """Follow a job (by id or name): its state, summary and checkpoints so far."""
-    install(client)
-    return client.run_on_scheduler(_attach, job, client.id)
-
-
-def list_jobs(client: Client) -> list[dict[str, Any]]:
-    """Every job the cluster knows, newest first."""
-    install(client)
-    return client.run_on_scheduler(_rows)
-
-
-def forget_job(client: Client, job_id: str) -> None:
-    """Let the cluster forget a finished job."""
-    install(client)
-    client.run_on_scheduler(_forget, job_id)

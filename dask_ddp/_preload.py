@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Any
 
-from .placement import is_rank_key
+from ._protocol import is_rank_key
 
 logger = logging.getLogger(__name__)
 

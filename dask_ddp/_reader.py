@@ -1,11 +1,11 @@
 """A client's reading of one job: its event topic, back in order, into the job's model.
 
-:class:`EventReader` follows a job's topic (:func:`dask_ddp.events.job_topic`) on the
+:class:`EventReader` follows a job's topic (:func:`dask_ddp._protocol.job_topic`) on the
 client's event loop, the way ``distributed``'s progress bars follow the scheduler: a
 handler that only queues, and one coroutine, :meth:`EventReader.listen`, that takes the
 events in order. The supervisor's messages (state, placement, history, error) go to
 :meth:`JobModel.apply_state <dask_ddp._model.JobModel.apply_state>`; each rank's messages
-are put back in order (:class:`dask_ddp.events.RankStream`, one per rank and placement),
+are put back in order (:class:`RankStream`, one per rank and placement),
 gaps filled from the scheduler's history, large messages fetched from the rank's worker,
 and delivered to the model. The user's ``on_report``/``on_output`` callbacks run on a
 thread of their own, in order, never on the loop; the job's outcome is set only after the
@@ -23,10 +23,99 @@ from typing import Any
 
 from distributed import Client
 
-from . import _dask_internals, _topics, events
+from . import _dask_internals, _topics
 from ._model import JobModel
+from ._protocol import BLOB_HANDLER, decode, job_topic
+from .errors import ChannelError
 
 logger = logging.getLogger(__name__)
+
+
+def _count(event: dict[str, Any]) -> int:
+    if "n" in event:
+        return int(event["n"])
+    return 1 if "blob" in event else 0
+
+
+class RankStream:
+    """One rank's events back in the order it sent them.
+
+    >>> s = RankStream()
+    >>> [e["seq"] for e in s.add({"seq": 2, "n": 1})]
+    []
+    >>> [e["seq"] for e in s.add({"seq": 0, "n": 2})]
+    [0, 2]
+    >>> s.add({"seq": 3, "end": 3}), s.complete
+    ([], True)
+    """
+
+    def __init__(self, *, resume: bool = False) -> None:
+        self.next = 0  # sequence number of the next message to deliver
+        self.end: int | None = None  # number of messages the rank sent, once it said so
+        self.lost = 0
+        self._pending: dict[int, dict[str, Any]] = {}
+        # A client that attaches to a running job starts where its first event starts.
+        self._resume = resume
+
+    def add(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one event; return the events that are now deliverable, in order."""
+        if self._resume:
+            self.next, self._resume = int(event["seq"]), False
+        if "end" in event:
+            self.end = int(event["end"])
+        seq, count = int(event["seq"]), _count(event)
+        if count and seq >= self.next and seq not in self._pending:
+            self._pending[seq] = event
+        ready = []
+        while self.next in self._pending:
+            ready.append(self._pending.pop(self.next))
+            self.next += _count(ready[-1])
+        return ready
+
+    @property
+    def complete(self) -> bool:
+        """True once the final marker arrived and every message before it."""
+        return self.end is not None and self.next >= self.end
+
+    @property
+    def has_gap(self) -> bool:
+        """True when a message is missing before one that arrived, or before the end."""
+        return bool(self._pending) or (self.end is not None and self.next < self.end)
+
+    @property
+    def blocked(self) -> bool:
+        """True when messages that arrived wait behind a missing one."""
+        return bool(self._pending)
+
+    def skip_gap(self) -> tuple[int, list[dict[str, Any]]]:
+        """Give up on the first missing messages: return how many, and what follows."""
+        target = min(self._pending) if self._pending else (self.end or self.next)
+        missing = max(0, target - self.next)
+        self.lost += missing
+        self.next = target
+        ready = []
+        while self.next in self._pending:
+            ready.append(self._pending.pop(self.next))
+            self.next += _count(ready[-1])
+        return missing, ready
+
+
+async def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
+    """Fetch a message sent by reference, directly from the rank's worker (on the client's
+    event loop). The worker forgets it as it hands it over. Never touches the scheduler.
+
+    Raises
+    ------
+    ChannelError
+        The worker no longer holds it (it restarted, or the job was forgotten).
+    OSError
+        The worker cannot be reached.
+    """
+    reply = await _dask_internals.call_worker(client, ref["worker"], BLOB_HANDLER, key=ref["key"])
+    if reply.get("status") != "OK":
+        job, rank, _ = ref["key"].split("/")
+        raise ChannelError(int(rank), job, f"{ref['worker']} no longer holds {ref['key']}")
+    return [[kind, list(body)] for kind, body in reply["msgs"]]  # the comm made tuples
 
 
 class EventReader:
@@ -52,14 +141,14 @@ class EventReader:
         on_output: Callable[[Any], Any] | None = None,
     ) -> None:
         self.client, self.model = client, model
-        self.topic = events.job_topic(model.job_id)
+        self.topic = job_topic(model.job_id)
         self.callbacks: dict[str, Callable[[Any], Any] | None] = {
             "on_report": on_report,
             "on_output": on_output,
         }
         self._queue: asyncio.Queue[Any] | None = None
         self._early: list[Any] = []  # events that came before the loop's queue existed
-        self._streams: dict[str, list[events.RankStream]] = {}  # run id -> one per rank
+        self._streams: dict[str, list[RankStream]] = {}  # run id -> one per rank
         self._resumed: set[str] = set()  # run ids that began before this client followed
         self._unfollow: Callable[[], None] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -124,7 +213,7 @@ class EventReader:
     async def _state(self, msg: dict[str, Any]) -> None:
         self.model.apply_state(msg)
         await self.fetch_futures()
-        if msg.get("outcome"):  # decided: final, or stopping its ranks on the way there
+        if self.model.outcome is not None:  # decided: final, or stopping on the way there
             await self._callbacks_done()
             if msg.get("stopped"):
                 self._warn_missing()
@@ -146,12 +235,12 @@ class EventReader:
         self.model.set_futures(name, list(futures))
 
     async def _rank_event(self, msg: dict[str, Any], *, history: bool = False) -> None:
-        run_id, rank = msg.get("job"), msg.get("rank")
+        run_id, rank = msg.get("run"), msg.get("rank")
         if not isinstance(rank, int) or rank < 0 or not self._ours(run_id):
             return
         streams = self._streams.setdefault(run_id, [])
         while len(streams) <= rank:
-            streams.append(events.RankStream(resume=run_id in self._resumed or history))
+            streams.append(RankStream(resume=run_id in self._resumed or history))
         stream = streams[rank]
         for event in stream.add(msg):
             await self._deliver(run_id, rank, event, history=history)
@@ -174,7 +263,7 @@ class EventReader:
             )
             held = ()
         for _, msg in held:
-            run_id, rank = msg.get("job"), msg.get("rank")
+            run_id, rank = msg.get("run"), msg.get("rank")
             streams = self._streams.get(run_id, [])
             if isinstance(rank, int) and 0 <= rank < len(streams):
                 for event in streams[rank].add(msg):
@@ -197,7 +286,7 @@ class EventReader:
         if "blob" in event:
             ref = event["blob"]
             try:
-                msgs = await events.fetch_blob(self.client, ref)
+                msgs = await fetch_blob(self.client, ref)
             except Exception as exc:  # the worker is gone, or another client took it
                 logger.warning(
                     "job %s: a %d-byte message from rank %d could not be fetched from %s: %s",
@@ -206,7 +295,7 @@ class EventReader:
                 self.model.note(f"rank {rank}: a {ref['nbytes']}-byte message was lost ({exc})")
                 return
         else:
-            msgs = events.decode(event)
+            msgs = decode(event)
         current = run_id == self.model.run_id and not history
         records, printed = self.model.add(rank, msgs, current=current)
         if records:

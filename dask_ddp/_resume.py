@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from . import checkpoint, events
-from ._protocol import Restore
+from . import checkpoint
+from ._protocol import LOADED, Restore
 from ._replicas import PeerLink
 from ._slot import CheckpointSettings
 
@@ -151,6 +151,6 @@ class Resumer:
 
     def _tell(self, source: str, step: int, where: str | None) -> None:
         try:
-            self._announce(events.LOADED, [source, step, where])
+            self._announce(LOADED, [source, step, where])
         except Exception as exc:  # the channel's own error is raised where it matters
             logger.debug("rank %d: could not say where its state came from: %s", self.rank, exc)

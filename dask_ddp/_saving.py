@@ -39,7 +39,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import checkpoint, events
+from . import checkpoint
+from ._protocol import CHECKPOINT, REPLICA
 from ._replicas import HEADROOM, PeerLink
 from ._slot import CheckpointSettings
 from .errors import CheckpointUploadError
@@ -574,7 +575,7 @@ class Saver:
 
     def _tell(self, info: checkpoint.CheckpointInfo) -> None:
         body = [info.url, info.step, info.nbytes, info.time, info.stall, info.world_size]
-        self._say(events.CHECKPOINT, body)
+        self._say(CHECKPOINT, body)
 
     def _say(self, kind: str, body: list[Any]) -> None:
         try:
@@ -595,7 +596,7 @@ class Saver:
         except Exception as exc:  # best effort: the holder left, or refused; the store copy stays
             why = f"{type(exc).__name__}: {exc}"
         if why is None:
-            self._say(events.REPLICA, [write.step, holder, write.world_size, len(data)])
+            self._say(REPLICA, [write.step, holder, write.world_size, len(data)])
         elif not self._replica_said:
             self._replica_said = True
             logger.info(

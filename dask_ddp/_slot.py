@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _process
-from ._protocol import Restore
+from ._protocol import CheckpointPlan
 from .errors import RankStoppedError
 
 if TYPE_CHECKING:
@@ -106,27 +106,20 @@ class RankContext:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointSettings:
-    """Where a rank's checkpoints go (``launch(checkpoint_dir=...)``), resolved on the client,
-    and where the rank's state comes from on a restart (decided by the supervisor)."""
+class CheckpointSettings(CheckpointPlan):
+    """Where a rank's checkpoints go and where its state comes from (the supervisor's
+    :class:`~dask_ddp._protocol.CheckpointPlan`), and what the rank adds to it."""
 
-    directory: str | None
-    keep_last: int | None = None
-    storage_options: dict[str, Any] | None = None
+    # the job's id (the same for all its attempts): replicas are kept under it
+    job: str = ""
     # an elastic job below its size: its ranks may stop at a checkpoint to grow, waiting
     # at most this long for rank 0's decision (None: the job cannot grow)
     grow_timeout: float | None = None
-    # "async": save_checkpoint() returns once the state is copied, the write runs in the
-    # background; "sync": it returns once the checkpoint is durable
-    mode: str = "async"
-    # the job's id (the same for all its attempts): replicas are kept under it
-    job: str = ""
-    # the worker that keeps this rank's replicas in memory (None: no replicas)
-    replica_holder: str | None = None
-    # the most of its worker's memory limit a replica store may fill
-    replica_fraction: float = 0.25
-    # where this rank's state comes from: the job's state, and its own (per-rank) state
-    restore: tuple[Restore, ...] = ()
+
+    @classmethod
+    def of(cls, plan: CheckpointPlan, job: str, grow_timeout: float | None) -> CheckpointSettings:
+        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+        return cls(**fields, job=job, grow_timeout=grow_timeout)
 
 
 @dataclasses.dataclass

@@ -24,10 +24,12 @@ import functools
 import logging
 import os
 import select
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import _activity
 from ._slot import RankRun, this_slot
 
 logger = logging.getLogger(__name__)
@@ -196,3 +198,6 @@ def follow(path: str, describe: Callable[[], str | None]) -> Callable[[], None]:
     follower.start(say)
     run.on_end.append(follower.stop)
     return follower.stop
+
+
+_activity.listen(sys.modules[__name__])  # library calls in this process tell the rank's status

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "FINAL_STATES",
+    "CheckpointInfo",
     "JobInfo",
     "JobSpec",
     "JobState",
@@ -252,7 +253,11 @@ class JobSpec:
     settings: Any
     workers: int | list[str] | None  # as launch() got it: every worker, a count, or names
     min_workers: int | None  # an elastic job's least size (checked on the client)
-    rank_options: dict[str, Any]
+    pass_local_rank: bool = False  # launch(pass_local_rank=)
+    init_process_group: bool = True  # False: a script calls init_process_group itself
+    checkpoint_dir: str | None = None  # launch(checkpoint_dir=), keep_last=, storage_options=
+    keep_last: int | None = None
+    storage_options: dict[str, Any] | None = None
     max_restarts: int = 0
     total_steps: int | None = None
     client: str | None = None
@@ -261,3 +266,42 @@ class JobSpec:
     datasets: tuple[Any, ...] = ()
     datasets_name: str | None = None
     adaptive: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint that has landed: where, which step, how many bytes, and when.
+
+    Attributes
+    ----------
+    url : str
+        Where it is, complete.
+    step : int
+        The ``step=`` it was saved with.
+    nbytes : int
+        Its size.
+    rank : int
+        The rank that wrote it.
+    time : float
+        When it landed, in seconds since the epoch (the rank's clock).
+    stall : float
+        Seconds the rank's training loop waited in ``save_checkpoint()`` for it: copying
+        the state off the live tensors, plus any wait for the upload before it (an
+        asynchronous save); the whole write (a synchronous one).
+    world_size : int or None
+        For per-rank state (``save_checkpoint(..., per_rank=True)``), the number of ranks
+        that each wrote their own file for this step; None for the job's state.
+
+    Examples
+    --------
+    >>> job.checkpoints[-1]  # doctest: +SKIP
+    CheckpointInfo(url='s3://bucket/run1/checkpoint-000000000100.pt', step=100, ...)
+    """
+
+    url: str
+    step: int
+    nbytes: int
+    rank: int
+    time: float
+    stall: float = 0.0
+    world_size: int | None = None

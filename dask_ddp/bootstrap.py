@@ -38,7 +38,7 @@ from . import (
     _traceback,
     events,
 )
-from ._protocol import RankOutcome, Restore, Verdict
+from ._protocol import RankOutcome, RankSpec, Verdict
 from ._slot import (
     PROCESS,
     CheckpointSettings,
@@ -55,7 +55,6 @@ from .errors import (
     RetryableError,
     WorkerBusyError,
 )
-from .placement import RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -63,46 +62,6 @@ _FAILURES = "dask-ddp/failures"
 _FIRST_FAILURE = "dask-ddp/first-failure"
 _FIRST_ERROR = "dask-ddp/first-error"
 _MAX_ERROR_CHARS = 2000
-
-
-@dataclasses.dataclass(frozen=True)
-class RankSpec:
-    """Everything one rank task needs, resolved on the client."""
-
-    job_id: str
-    key: str
-    attempt: int
-    backend: str
-    timeout: float
-    rendezvous_timeout: float
-    master_addr: str
-    master_port: int
-    threads_per_rank: int | None
-    allow_daemon_children: bool
-    pass_local_rank: bool
-    placement: RankPlacement
-    init_process_group: bool = True
-    checkpoint_dir: str | None = None
-    keep_last: int | None = None
-    storage_options: dict[str, Any] | None = None
-    event_flush_interval: float = 0.2  # ddp.event-flush-interval, resolved on the client
-    max_event_bytes: int = 65536  # ddp.max-event-bytes, resolved on the client
-    tune_malloc: bool = True  # ddp.tune-malloc
-    # launch(datasets=): this rank's share of each dataset (keys and row ranges, no data)
-    datasets: dict[str, Any] | None = None
-    # an elastic job below its size: the ranks may stop at a checkpoint to grow
-    can_grow: bool = False
-    # the job's id and event topic, the same for all its placements (job_id is the
-    # placement's run id), and the restarts it may make (torchrun's variables)
-    job: str | None = None
-    topic: str | None = None
-    max_restarts: int = 0
-    # ddp.checkpoint.*: "async" or "sync" saves; the worker keeping this rank's replicas
-    # (None: none) and how much of its memory they may take; where the state comes from
-    checkpoint_mode: str = "async"
-    replica_holder: str | None = None
-    replica_fraction: float = 0.25
-    restore: tuple[Restore, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,15 +215,15 @@ def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> It
         )
 
     def check_stopped() -> None:
-        stopped = slot.stopped_before_start(spec.job_id)
+        stopped = slot.stopped_before_start(spec.run_id)
         if stopped is not None:  # the supervisor stopped the job while this task started
             reason, failed_rank = stopped
             raise RankStoppedError(
-                spec.placement.rank, reason, job=spec.job_id, failed_rank=failed_rank
+                spec.placement.rank, reason, job=spec.run_id, failed_rank=failed_rank
             )
 
     check_stopped()
-    if not slot.claim(run, spec.rendezvous_timeout, on_wait=queued):
+    if not slot.claim(run, spec.rendezvous.rendezvous_timeout, on_wait=queued):
         holder = slot.current()
         raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
     try:
@@ -288,8 +247,8 @@ def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> It
 def _torchrun_env(spec: RankSpec) -> dict[str, str]:
     p = spec.placement
     env = {
-        "MASTER_ADDR": spec.master_addr,
-        "MASTER_PORT": str(spec.master_port),
+        "MASTER_ADDR": spec.rendezvous.master_addr,
+        "MASTER_PORT": str(spec.rendezvous.master_port),
         "RANK": str(p.rank),
         "WORLD_SIZE": str(p.world_size),
         "LOCAL_RANK": str(p.local_rank),
@@ -307,18 +266,18 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
         # As torchrun sets it (constant across restarts): torch.distributed's
         # is_torchelastic_launched() is then true, and Lightning takes its TorchElastic
         # environment, which reads the variables above.
-        "TORCHELASTIC_RUN_ID": spec.job or spec.job_id,
+        "TORCHELASTIC_RUN_ID": spec.job_id,
     }
     if p.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
-    if spec.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+    if spec.rendezvous.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         ifname = _interface_of(p.host)
         if ifname is not None:
             # gloo otherwise advertises the address the machine's hostname resolves to, often
             # 127.0.x.1, which ranks on other hosts cannot reach. The Dask worker's own
             # address is reachable by its peers: the scheduler and the other workers use it.
             env["GLOO_SOCKET_IFNAME"] = ifname
-    if not spec.init_process_group:
+    if not spec.rendezvous.init_process_group:
         # The script calls init_process_group("env://") itself; as under torchrun, every
         # rank (rank 0 too) then connects to the store that already listens on MASTER_PORT.
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -360,7 +319,7 @@ def _thread_share(spec: RankSpec) -> Iterator[None]:
         wanted = max(1, (cores or 1) // spec.placement.local_world_size)
     if wanted:  # 0 leaves the worker's setting alone
         torch.set_num_threads(wanted)
-        logger.debug("job %s rank %d: %d torch threads", spec.job_id, spec.placement.rank, wanted)
+        logger.debug("job %s rank %d: %d torch threads", spec.run_id, spec.placement.rank, wanted)
     try:
         yield
     finally:
@@ -370,8 +329,9 @@ def _thread_share(spec: RankSpec) -> Iterator[None]:
 def _connect_store(spec: RankSpec, slot: ProcessSlot = PROCESS) -> Any:
     import torch.distributed as dist
 
+    rdzv = spec.rendezvous
     if spec.placement.rank == 0:
-        store = slot.take_store(spec.job_id)
+        store = slot.take_store(spec.run_id)
         if store is None:
             raise RendezvousTimeoutError(
                 0,
@@ -384,18 +344,18 @@ def _connect_store(spec: RankSpec, slot: ProcessSlot = PROCESS) -> Any:
         return store
     try:
         return dist.TCPStore(
-            spec.master_addr,
-            spec.master_port,
+            spec.rendezvous.master_addr,
+            spec.rendezvous.master_port,
             is_master=False,
-            timeout=timedelta(seconds=spec.rendezvous_timeout),
+            timeout=timedelta(seconds=spec.rendezvous.rendezvous_timeout),
         )
     except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
         raise RendezvousTimeoutError(
             spec.placement.rank,
             spec.placement.worker,
             spec.key,
-            spec.rendezvous_timeout,
-            f"could not reach rank 0's store at {spec.master_addr}:{spec.master_port} ({exc})",
+            spec.rendezvous.rendezvous_timeout,
+            f"could not reach rank 0's store at {rdzv.master_addr}:{rdzv.master_port} ({exc})",
         ) from exc
 
 
@@ -417,14 +377,14 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
             run, _status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)"
         )
     try:
-        store.wait([ready], timedelta(seconds=spec.rendezvous_timeout))
+        store.wait([ready], timedelta(seconds=spec.rendezvous.rendezvous_timeout))
     except (RuntimeError, TimeoutError) as exc:
         reached = store.add(count, 0)
         raise RendezvousTimeoutError(
             spec.placement.rank,
             spec.placement.worker,
             spec.key,
-            spec.rendezvous_timeout,
+            spec.rendezvous.rendezvous_timeout,
             f"only {reached} of {world} ranks {stage}",
         ) from exc
     try:
@@ -435,7 +395,7 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
         aborted = False
     if aborted:
         run.check_stop()
-        raise RankStoppedError(spec.placement.rank, "stopped while ranks gathered", job=spec.job_id)
+        raise RankStoppedError(spec.placement.rank, "stopped while ranks gathered", job=spec.run_id)
 
 
 _ABORTED = b"aborted"
@@ -507,14 +467,18 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
     # The channel opens first: the rank's phases (queued, joining) travel on it too.
     channel = events.RankChannel(
         worker,
-        spec.job_id,
+        spec.run_id,
         p.rank,
-        interval=spec.event_flush_interval,
-        max_event_bytes=spec.max_event_bytes,
-        topic=spec.topic,
+        interval=spec.events.flush_interval,
+        max_event_bytes=spec.events.max_event_bytes,
+        topic=spec.events.topic,
     )
     run = RankRun(
-        spec.job_id, spec.key, p.rank, channel=channel, master=(spec.master_addr, spec.master_port)
+        spec.run_id,
+        spec.key,
+        p.rank,
+        channel=channel,
+        master=(spec.rendezvous.master_addr, spec.rendezvous.master_port),
     )
     slot = slot_for(worker)
     value, error = None, None
@@ -570,15 +534,15 @@ def _run_in_slot(
     run.check_stop()
     if p.use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(0)
-    if spec.init_process_group:
+    if spec.rendezvous.init_process_group:
         before = _process.socket_fds()
         _process.fresh_group_names()
         dist.init_process_group(
-            spec.backend,
+            spec.rendezvous.backend,
             store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
             rank=p.rank,
             world_size=p.world_size,
-            timeout=timedelta(seconds=spec.timeout),
+            timeout=timedelta(seconds=spec.rendezvous.timeout),
         )
         links = _process.process_group_links(before, _process.dask_ports(worker))
         with slot.lock:
@@ -596,24 +560,16 @@ def _run_in_slot(
         local_world_size=p.local_world_size,
         node_rank=p.node_rank,
         device=torch.device("cuda", 0) if p.use_gpu else torch.device("cpu"),
-        backend=spec.backend,
+        backend=spec.rendezvous.backend,
         attempt=spec.attempt,
-        job_id=spec.job_id,
+        job_id=spec.run_id,
         worker=p.worker,
-        master_addr=spec.master_addr,
-        master_port=spec.master_port,
+        master_addr=spec.rendezvous.master_addr,
+        master_port=spec.rendezvous.master_port,
     )
-    logger.debug("job %s: rank %d joined on %s", spec.job_id, p.rank, p.worker)
-    checkpointing = CheckpointSettings(
-        spec.checkpoint_dir,
-        spec.keep_last,
-        spec.storage_options,
-        grow_timeout=spec.timeout if spec.can_grow else None,
-        mode=spec.checkpoint_mode,
-        job=spec.job or spec.job_id,
-        replica_holder=spec.replica_holder,
-        replica_fraction=spec.replica_fraction,
-        restore=spec.restore,
+    logger.debug("job %s: rank %d joined on %s", spec.run_id, p.rank, p.worker)
+    checkpointing = CheckpointSettings.of(
+        spec.checkpoint, spec.job_id, spec.rendezvous.timeout if spec.can_grow else None
     )
     saver, resumer = _checkpointing(checkpointing, ctx, run, worker)
     try:
@@ -628,7 +584,7 @@ def _run_in_slot(
             if isinstance(exc, RankStoppedError):
                 raise
             raise RankStoppedError(
-                p.rank, run.stop_reason, job=spec.job_id, failed_rank=run.stop_failed_rank
+                p.rank, run.stop_reason, job=spec.run_id, failed_rank=run.stop_failed_rank
             ) from exc
         first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
         with slot.lock:

@@ -17,7 +17,6 @@ round-trip; anything that would need arbitrary unpickling is refused.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import logging
 import pickle
@@ -30,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from .errors import CheckpointShardsError, DaskDDPError
+from ._types import CheckpointInfo
+from .errors import CheckpointShardsError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -51,67 +51,6 @@ __all__ = [
 
 _NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
 _SHARD = re.compile(r"^checkpoint-(\d+)\.rank-(\d+)-of-(\d+)\.pt$")
-
-
-class UnsafeCheckpointError(DaskDDPError, pickle.UnpicklingError):
-    """A checkpoint holds objects that ``weights_only=True`` loading refuses.
-
-    Examples
-    --------
-    >>> print(UnsafeCheckpointError("s3://b/run1/checkpoint-000000000010.pt", "MyConfig"))
-    ... # doctest: +ELLIPSIS
-    checkpoint s3://b/run1/checkpoint-000000000010.pt holds objects that safe loading ...
-    """
-
-    def __init__(self, url: str, cause: str) -> None:
-        super().__init__(url, cause)
-        self.url, self.cause = url, cause
-
-    def __str__(self) -> str:
-        return (
-            f"checkpoint {self.url} holds objects that safe loading (weights_only=True) refuses: "
-            f"{self.cause}. Save plain state (model.state_dict(), optimizer.state_dict(), "
-            "numbers, strings, lists, dicts of tensors) with dask_ddp.save_checkpoint()."
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """A checkpoint that has landed: where, which step, how many bytes, and when.
-
-    Attributes
-    ----------
-    url : str
-        Where it is, complete.
-    step : int
-        The ``step=`` it was saved with.
-    nbytes : int
-        Its size.
-    rank : int
-        The rank that wrote it.
-    time : float
-        When it landed, in seconds since the epoch (the rank's clock).
-    stall : float
-        Seconds the rank's training loop waited in ``save_checkpoint()`` for it: copying
-        the state off the live tensors, plus any wait for the upload before it (an
-        asynchronous save); the whole write (a synchronous one).
-    world_size : int or None
-        For per-rank state (``save_checkpoint(..., per_rank=True)``), the number of ranks
-        that each wrote their own file for this step; None for the job's state.
-
-    Examples
-    --------
-    >>> job.checkpoints[-1]  # doctest: +SKIP
-    CheckpointInfo(url='s3://bucket/run1/checkpoint-000000000100.pt', step=100, ...)
-    """
-
-    url: str
-    step: int
-    nbytes: int
-    rank: int
-    time: float
-    stall: float = 0.0
-    world_size: int | None = None
 
 
 class PendingCheckpoint:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from . import _resize
 from . import checkpoint as _checkpoint
 from . import events as _events
+from ._protocol import METRICS
 from ._slot import CheckpointSettings, RankContext, RankRun, this_slot
 from .errors import CheckpointDirMissingError, NotInRankError
 
@@ -165,7 +166,7 @@ def report(metrics: Mapping[str, Any], *, step: int | None = None) -> None:
             raise TypeError(
                 f"report() takes an integer step or None; got {type(step).__name__} {step!r}."
             ) from None
-    channel.put(_events.METRICS, [step, time.time(), values], "report")
+    channel.put(METRICS, [step, time.time(), values], "report")
 
 
 def _rank_channel(caller: str) -> _events.RankChannel:

@@ -21,7 +21,7 @@ from typing import Any
 import cloudpickle
 from distributed import Client, Future
 
-from . import _dask_internals, _plugin, _traceback, config, script
+from . import _cluster, _dask_internals, _traceback, config, script
 from ._model import JobModel
 from ._reader import EventReader
 from ._types import JobSpec, MetricRecord, OutputLine
@@ -330,7 +330,7 @@ def _launch(
     if isinstance(workers, (list, tuple)):
         workers = [str(w) for w in workers]
     payload = _pickled(fn, args, kwargs)
-    _plugin.install(client)
+    _cluster.install(client)
     job_id = uuid.uuid4().hex[:12]
     persisted = None
     if datasets:
@@ -348,13 +348,11 @@ def _launch(
         settings=settings,
         workers=workers,
         min_workers=min_workers,
-        rank_options={
-            "pass_local_rank": pass_local_rank,
-            "init_process_group": init_process_group,
-            "checkpoint_dir": None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-            "keep_last": keep_last,
-            "storage_options": dict(storage_options) if storage_options else None,
-        },
+        pass_local_rank=pass_local_rank,
+        init_process_group=init_process_group,
+        checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+        keep_last=keep_last,
+        storage_options=dict(storage_options) if storage_options else None,
         max_restarts=max_restarts,
         total_steps=total_steps,
         client=client.id,
@@ -369,7 +367,7 @@ def _launch(
     reader = EventReader(client, model, on_report=on_report, on_output=on_output)
     try:
         # The cluster subscribes this client too, before any rank reports.
-        state = _plugin.submit_job(client, spec, reader.follow)
+        state = _cluster.submit_job(client, spec, reader.follow)
     except BaseException:
         reader.stop()
         if persisted is not None:

@@ -7,7 +7,8 @@ numbered messages, buffered on the rank and sent in batches by a background thre
 ``Worker.log_event`` events on the job's own topic (:func:`job_topic`, one for all its
 attempts). The scheduler hands each event to the job's supervisor (the plugin's
 ``log_event`` hook) and relays it to every client following the job, where a
-:class:`RankStream` per rank puts the messages back in order (:mod:`dask_ddp._reader`).
+stream per rank puts the messages back in order (:mod:`dask_ddp._reader`). What the
+messages and events hold is the wing's contract, defined in :mod:`dask_ddp._protocol`.
 
 Why it is built this way (measured on the real stack):
 
@@ -35,59 +36,26 @@ import weakref
 from typing import Any
 
 import msgpack
-from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from . import _dask_internals, _preload
 from ._progress import pick_curve_metric
-from ._protocol import DONE, RankOutcome
+from ._protocol import (
+    BLOB_HANDLER,
+    DONE,
+    METRICS,
+    RESULT,
+    STATUS,
+    VERSION,
+    RankOutcome,
+    Told,
+    job_topic,
+)
 from .errors import ChannelError, NotInRankError
 
 logger = logging.getLogger(__name__)
 
-#: Message kinds: a ``report()`` record ``[step, time, {name: value}]``, and a
-#: ``submit_result()`` payload ``[key, path, data]``.
-METRICS = "m"
-RESULT = "r"
-#: A checkpoint that is durable ``[url, step, nbytes, time, stall, world_size]``
-#: (``world_size``: None for the job's state, the ranks of per-rank state).
-CHECKPOINT = "c"
-#: A checkpoint kept in another worker's memory ``[step, holder, world_size, nbytes]``.
-REPLICA = "p"
-#: Where the rank's state came from ``[source, step, where]`` (``"peer"`` or ``"store"``).
-LOADED = "l"
-#: A rank's printed lines ``[stream, text]`` (``"stdout"``/``"stderr"``, lines joined by \n).
-OUTPUT = "o"
-#: A rank's phase or activity ``[phase, detail, time]``: ``phase`` is ``"queued"``,
-#: ``"joining"``, ``"running"`` or ``None`` (only the activity text ``detail`` changed).
-STATUS = "s"
-
-_HANDLER = "dask_ddp_blob"  # the worker handler that hands large messages to the client
 _EVENT_OVERHEAD = 256  # bytes an event's envelope may take besides its messages
-
-
-def job_topic(job_id: str) -> str:
-    """The event topic of one job: jobs never share a topic.
-
-    >>> job_topic("3f2a")
-    'dask-ddp-3f2a'
-    """
-    return f"dask-ddp-{job_id}"
-
-
-def flush_interval(ranks: int, interval: float, rate: float) -> float:
-    """How often each rank of a job of ``ranks`` ranks sends its buffered messages:
-    every ``interval`` seconds (``ddp.event-flush-interval``), or less often, so that the
-    job's ranks together send the scheduler at most ``rate`` events a second
-    (``ddp.job-event-rate``). The scheduler's cost is per event (a read, a relay, a write,
-    whatever the batch holds): a fixed interval would make it grow with the job.
-
-    >>> flush_interval(256, 0.2, 2000)
-    0.2
-    >>> flush_interval(1000, 0.2, 2000)
-    0.5
-    """
-    return max(interval, ranks / rate)
 
 
 # -- the worker plugin serving large messages --------------------------------------------
@@ -102,11 +70,11 @@ class BlobHandler(WorkerPlugin):
     idempotent = True  # a second client's registration leaves the installed one alone
 
     def setup(self, worker: Any) -> None:
-        _dask_internals.add_worker_handler(worker, _HANDLER, _serve_blob)
+        _dask_internals.add_worker_handler(worker, BLOB_HANDLER, _serve_blob)
         _preload.quiet_rank_failures()  # the client shows a rank's failure, once
 
     def teardown(self, worker: Any) -> None:
-        _dask_internals.remove_worker_handler(worker, _HANDLER)
+        _dask_internals.remove_worker_handler(worker, BLOB_HANDLER)
 
 
 # -- rank: the buffered, numbered channel ------------------------------------------------
@@ -121,31 +89,6 @@ def _result_size(body: list[Any]) -> int:
     data = body[2]
     size = len(data) if isinstance(data, bytes) or data.isascii() else 4 * len(data)
     return 32 + 4 * (len(body[0]) + len(body[1])) + size
-
-
-def encode(job_id: str, rank: int, seq: int, msgs: list[list[Any]]) -> dict[str, Any]:
-    """The event carrying ``msgs`` (messages ``seq``, ``seq + 1``, ...) of one rank.
-
-    The messages travel packed (msgpack, back to back) in one ``bytes`` value: the worker
-    and the scheduler then handle one opaque value per batch instead of walking every
-    record, which is what caps ``log_event`` near 40,000 records/s.
-
-    >>> decode(encode("3f2a", 0, 5, [["m", [1, 0.0, {"loss": 0.5}]]]))
-    [['m', [1, 0.0, {'loss': 0.5}]]]
-    """
-    packed = b"".join(map(_packer().pack, msgs))
-    return {"job": job_id, "rank": rank, "seq": seq, "n": len(msgs), "packed": packed}
-
-
-def decode(event: dict[str, Any]) -> list[list[Any]]:
-    """The messages of an event made by :func:`encode`."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=0)
-    unpacker.feed(event["packed"])
-    return list(unpacker)
-
-
-def _packer() -> msgpack.Packer:
-    return msgpack.Packer(use_bin_type=True, autoreset=True)
 
 
 _channels: weakref.WeakSet[RankChannel] = weakref.WeakSet()  # this process's open channels
@@ -230,7 +173,7 @@ class RankChannel:
         self._closing = threading.Event()
         self._closed = False
         self._seq = 0  # number of messages sent so far; only the sending thread touches it
-        self._packer = _packer()  # likewise
+        self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)  # likewise
         self._error: BaseException | None = None
         self._pid = os.getpid()
         self._status: list[Any] | None = None  # the newest status not yet sent
@@ -350,7 +293,7 @@ class RankChannel:
             self._wake.clear()
         pack = self._packer.pack
         parts: list[bytes] = []
-        told: dict[str, Any] = {}
+        told = Told()
         size = 0
         for kind, body in items:
             if kind == RESULT and _result_size(body) > self._budget:
@@ -361,7 +304,7 @@ class RankChannel:
                 n = len(packed)
             if parts and size + n > self._budget:
                 self._send(parts, told)
-                parts, size, told = [], 0, {}
+                parts, size, told = [], 0, Told()
             if packed is None or n > self._budget:
                 self._send_by_reference([kind, body], n)
             else:
@@ -369,17 +312,16 @@ class RankChannel:
                 size += n
                 if kind == METRICS and self._metric is None and body[2]:
                     self._metric = pick_curve_metric(body[2])
-                _tell(told, kind, body, self._metric)
+                told.add(kind, body, self._metric)
         if parts:
             self._send(parts, told)
 
     def _emit(self, fields: dict[str, Any]) -> None:
-        self._worker.log_event(
-            self._topic, {"job": self._job, "rank": self._rank, "seq": self._seq, **fields}
-        )
+        event = {"v": VERSION, "run": self._job, "rank": self._rank, "seq": self._seq}
+        self._worker.log_event(self._topic, {**event, **fields})
 
-    def _send(self, parts: list[bytes], told: dict[str, Any]) -> None:
-        self._emit({"n": len(parts), "packed": b"".join(parts), "told": told})
+    def _send(self, parts: list[bytes], told: Told) -> None:
+        self._emit({"n": len(parts), "packed": b"".join(parts), "told": told.to_wire()})
         self._seq += len(parts)
 
     def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
@@ -393,35 +335,6 @@ class RankChannel:
                 _blobs.pop(key, None)
             raise
         self._seq += 1
-
-
-_TOLD_POINTS = 16  # curve points an event tells the supervisor, at most
-
-
-def _tell(told: dict[str, Any], kind: str, body: list[Any], metric: str | None) -> None:
-    """Add a message to what an event tells the job's supervisor in the clear (its
-    ``told`` field), so that the scheduler never unpacks a batch: how many records, the
-    first one's step and time and the last one (for rates), the curve's points
-    (``metric``'s values), the rank's latest status, the checkpoints that landed, their
-    replicas, and where the rank's state came from."""
-    if kind == METRICS:
-        told["m"] = told.get("m", 0) + 1
-        told["last"] = body
-        step, when, values = body
-        told.setdefault("first", [step, when])
-        if metric in values:
-            points = told.setdefault("pts", [])
-            points.append([step if step is not None else told["m"], values[metric]])
-            if len(points) > 2 * _TOLD_POINTS:
-                del points[1:-1:2]  # thinned, the first and the last kept
-    elif kind == STATUS:
-        told["s"] = body
-    elif kind == CHECKPOINT:
-        told.setdefault("c", []).append(body)
-    elif kind == REPLICA:
-        told.setdefault("p", []).append(body)
-    elif kind == LOADED:
-        told["l"] = body
 
 
 def hold_blob(key: str, msg: list[Any]) -> None:
@@ -454,94 +367,6 @@ def blobs_held(job_id: str | None = None) -> int:
     """How many large messages wait in this process for their client (for tests)."""
     with _blobs_lock:
         return sum(1 for k in _blobs if job_id is None or k.startswith(f"{job_id}/"))
-
-
-# -- client: reassembly and direct fetches -----------------------------------------------
-def _count(event: dict[str, Any]) -> int:
-    if "n" in event:
-        return int(event["n"])
-    return 1 if "blob" in event else 0
-
-
-class RankStream:
-    """One rank's events back in the order it sent them.
-
-    >>> s = RankStream()
-    >>> [e["seq"] for e in s.add({"seq": 2, "n": 1})]
-    []
-    >>> [e["seq"] for e in s.add({"seq": 0, "n": 2})]
-    [0, 2]
-    >>> s.add({"seq": 3, "end": 3}), s.complete
-    ([], True)
-    """
-
-    def __init__(self, *, resume: bool = False) -> None:
-        self.next = 0  # sequence number of the next message to deliver
-        self.end: int | None = None  # number of messages the rank sent, once it said so
-        self.lost = 0
-        self._pending: dict[int, dict[str, Any]] = {}
-        # A client that attaches to a running job starts where its first event starts.
-        self._resume = resume
-
-    def add(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one event; return the events that are now deliverable, in order."""
-        if self._resume:
-            self.next, self._resume = int(event["seq"]), False
-        if "end" in event:
-            self.end = int(event["end"])
-        seq, count = int(event["seq"]), _count(event)
-        if count and seq >= self.next and seq not in self._pending:
-            self._pending[seq] = event
-        ready = []
-        while self.next in self._pending:
-            ready.append(self._pending.pop(self.next))
-            self.next += _count(ready[-1])
-        return ready
-
-    @property
-    def complete(self) -> bool:
-        """True once the final marker arrived and every message before it."""
-        return self.end is not None and self.next >= self.end
-
-    @property
-    def has_gap(self) -> bool:
-        """True when a message is missing before one that arrived, or before the end."""
-        return bool(self._pending) or (self.end is not None and self.next < self.end)
-
-    @property
-    def blocked(self) -> bool:
-        """True when messages that arrived wait behind a missing one."""
-        return bool(self._pending)
-
-    def skip_gap(self) -> tuple[int, list[dict[str, Any]]]:
-        """Give up on the first missing messages: return how many, and what follows."""
-        target = min(self._pending) if self._pending else (self.end or self.next)
-        missing = max(0, target - self.next)
-        self.lost += missing
-        self.next = target
-        ready = []
-        while self.next in self._pending:
-            ready.append(self._pending.pop(self.next))
-            self.next += _count(ready[-1])
-        return missing, ready
-
-
-async def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
-    """Fetch a message sent by reference, directly from the rank's worker (on the client's
-    event loop). The worker forgets it as it hands it over. Never touches the scheduler.
-
-    Raises
-    ------
-    ChannelError
-        The worker no longer holds it (it restarted, or the job was forgotten).
-    OSError
-        The worker cannot be reached.
-    """
-    reply = await _dask_internals.call_worker(client, ref["worker"], _HANDLER, key=ref["key"])
-    if reply.get("status") != "OK":
-        job, rank, _ = ref["key"].split("/")
-        raise ChannelError(int(rank), job, f"{ref['worker']} no longer holds {ref['key']}")
-    return [[kind, list(body)] for kind, body in reply["msgs"]]  # the comm made tuples
 
 
 def drop_held(job_id: str, dask_worker: Any = None) -> int:

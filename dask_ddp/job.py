@@ -24,10 +24,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 from distributed import Client, Future
 
-from . import _plugin, _traceback, checkpoint, errors, view
+from . import _cluster, _traceback, errors, view
 from ._model import JobModel
 from ._reader import EventReader
-from ._types import JobInfo, JobState, MetricRecord, OutputLine, Transition
+from ._types import CheckpointInfo, JobInfo, JobState, MetricRecord, OutputLine, Transition
 from .errors import JobNotFoundError, RankFailedError
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ class Job:
         Returns once the ranks have stopped (their workers are restarted if a rank does not
         stop within ``ddp.failure-grace``).
         """
-        _plugin.cancel_job(self.client, self.job_id, reason)
+        _cluster.cancel_job(self.client, self.job_id, reason)
         with self._model.cond:  # the supervisor's last message, on its way here
             self._model.cond.wait_for(lambda: self._model.closed, _CLOSE_WAIT)
 
@@ -247,10 +247,10 @@ class Job:
         JobStillRunningError
             The job has not ended: cancel it, or wait for it, first.
         """
-        _plugin.forget_job(self.client, self.job_id)
+        _cluster.forget_job(self.client, self.job_id)
 
     @property
-    def checkpoints(self) -> list[checkpoint.CheckpointInfo]:
+    def checkpoints(self) -> list[CheckpointInfo]:
         """Every checkpoint the ranks saved (:func:`dask_ddp.save_checkpoint`), as it lands.
 
         Each is a :class:`~dask_ddp.checkpoint.CheckpointInfo` (url, step, nbytes, rank,
@@ -479,7 +479,7 @@ def jobs(client: Client) -> list[JobInfo]:
             detached=row["detached"],
             error=row["error"],
         )
-        for row in _plugin.list_jobs(client)
+        for row in _cluster.list_jobs(client)
     ]
 
 
@@ -511,7 +511,7 @@ def attach(client: Client, job: str) -> Job:
     >>> job.history[-1].state, job.metrics[-1]      # doctest: +SKIP
     >>> job.result()                                # doctest: +SKIP
     """
-    state = _plugin.attach_job(client, job)  # the cluster sends this client its events now
+    state = _cluster.attach_job(client, job)  # the cluster sends this client its events now
     model = JobModel(state["job"], state["name"])
     reader = EventReader(client, model)
     reader.follow()  # what came meanwhile is in the scheduler's history, read first

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import re
 from collections.abc import Mapping, Sequence
 
 from .errors import BackendUnavailableError, PlacementError
@@ -309,32 +308,3 @@ def select_workers(
     if not chosen:
         raise PlacementError("workers= is an empty list; name at least one worker")
     return chosen
-
-
-def rank_key(name: str, run_id: str, rank: int) -> str:
-    """A rank task's key. Dask's task stream, progress bars and Prometheus metrics group
-    tasks by the key's leading words (``dask.utils.key_split``): here ``ddp_<name>``, the
-    same for every job of one function, so that the scheduler's per-prefix state stays
-    bounded however many jobs run. The rank and the job's run id follow, for the
-    ``/ddp/`` page and for people reading a key.
-
-    >>> rank_key("train.py", "3f2a9c1b2d4e-1", 0)
-    'ddp_train_py-rank0-3f2a9c1b2d4e-1'
-    >>> from dask.utils import key_split
-    >>> key_split(rank_key("Trainer.fit.<locals>.step", "abcdefabcdef", 1))
-    'ddp_Trainer_fit_locals_step'
-    """
-    word = re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_")[:40] or "fn"
-    return f"ddp_{word}-rank{rank}-{run_id}"
-
-
-_RANK_KEY = re.compile(r"ddp_\w*-rank\d+-[0-9a-f]+(-\d+)?$")
-
-
-def is_rank_key(key: object) -> bool:
-    """Whether ``key`` is a rank task's (:func:`rank_key`).
-
-    >>> is_rank_key(rank_key("train", "3f2a9c1b2d4e", 0)), is_rank_key("ddp_x")
-    (True, False)
-    """
-    return isinstance(key, str) and _RANK_KEY.match(key) is not None

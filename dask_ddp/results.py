@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from distributed import Future
 
-from . import events
+from ._protocol import RESULT
 from .context import _rank_channel
 from .errors import UnsafeResultPathError
 
@@ -166,7 +166,7 @@ class DaskResultsHandler:
                 f"submit_result() sends str or bytes; got {type(data).__name__} for {path!r}. "
                 "Serialise it first: json.dumps(...) or pickle.dumps(...)."
             )
-        channel.put(events.RESULT, [self.pub_sub_key, str(path), data], "submit_result")
+        channel.put(RESULT, [self.pub_sub_key, str(path), data], "submit_result")
 
     def process_results(
         self,

@@ -35,7 +35,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .errors import DaskDDPError
+from .errors import ScriptExitError, ScriptModulesTooLargeError, ScriptSettingsError
 
 __all__ = [
     "ScriptExitError",
@@ -48,52 +48,6 @@ __all__ = [
 ]
 
 
-class ScriptExitError(DaskDDPError):
-    """A script called ``sys.exit`` with a non-zero status on a rank."""
-
-    def __init__(self, path: str, code: object) -> None:
-        super().__init__(path, code)
-        self.path, self.code = path, code
-
-    def __str__(self) -> str:
-        return f"script {self.path} exited with status {self.code!r}"
-
-
-class ScriptModulesTooLargeError(DaskDDPError, ValueError):
-    """The modules a script imports from its folder are too large to ship with the job,
-    and some workers do not see them at the client's path."""
-
-    def __init__(self, path: str, sizes: Mapping[str, int], limit: int) -> None:
-        super().__init__(path, dict(sizes), limit)
-        self.path, self.sizes, self.limit = path, dict(sizes), limit
-
-    def __str__(self) -> str:
-        largest = sorted(self.sizes.items(), key=lambda item: -item[1])[:5]
-        listed = ", ".join(f"{name} ({size / 1024:.0f} KiB)" for name, size in largest)
-        return (
-            f"{self.path} imports {len(self.sizes)} modules from its folder, "
-            f"{sum(self.sizes.values()) / 2**20:.1f} MiB in all ({listed}), more than "
-            f"ddp.script-modules-limit ({self.limit / 2**20:.1f} MiB) allows to ship with the "
-            "job, and some workers do not see them at that path. Install them on the workers "
-            "(pip install -e . in a shared folder, or a package in the workers' image), or "
-            "raise the limit: DASK_DDP__SCRIPT_MODULES_LIMIT=64MiB"
-        )
-
-
-class ScriptSettingsError(DaskDDPError, ValueError):
-    """A script's ``[tool.dask-ddp]`` inline metadata is malformed."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(path, problem)
-        self.path, self.problem = path, problem
-
-    def __str__(self) -> str:
-        return f"{self.path}: its inline metadata (# /// script) {self.problem}"
-
-
-# -- the client: what the script says and imports ------------------------------------------
-
-# What a script may say in its [tool.dask-ddp] table, and the values each key takes.
 SETTINGS = {"resume": ("own-snapshots",)}
 
 # PEP 723's reference regular expression for inline script metadata blocks.

@@ -37,8 +37,8 @@ from . import errors
 from ._launcher import Attempt, Launcher
 from ._ledger import CheckpointLedger, describe_sources, writer_rank
 from ._progress import Progress
-from ._protocol import RankOutcome, WireVersionError, job_topic
-from ._types import JobSpec, JobState, Transition
+from ._protocol import RankOutcome, Told, WireVersionError, job_topic
+from ._types import CheckpointInfo, JobSpec, JobState, Transition
 from .errors import (
     DaskDDPError,
     JobCancelledError,
@@ -126,7 +126,7 @@ class Supervisor:
         self.wait_reason: str | None = None
         self.notes: list[str] = []
         self.progress = Progress()
-        self.checkpoints: list[list[Any]] = []  # CheckpointInfo's fields, in order
+        self.checkpoints: list[CheckpointInfo] = []  # what Job.checkpoints of a later client shows
         self.ledger = CheckpointLedger()  # durable checkpoints and replicas: restarts' source
         self.followers: set[str] = set() if spec.detach or not spec.client else {spec.client}
         self.started = time.time()
@@ -176,13 +176,17 @@ class Supervisor:
     def on_event(self, msg: dict[str, Any]) -> None:
         """An event of the job's topic: what a rank told in the clear, or its final marker."""
         a, rank = self.attempt, msg.get("rank")
-        if a is None or msg.get("job") != a.run_id or not isinstance(rank, int):
+        if a is None or msg.get("run") != a.run_id or not isinstance(rank, int):
             return  # the supervisor's own messages, or a rank of an attempt before this one
         if not 0 <= rank < len(a.workers):
             return
-        told = msg.get("told")
-        if told:
-            self._told(a, rank, told)
+        if msg.get("told"):
+            try:
+                told = Told.from_wire(msg["told"])
+            except (KeyError, TypeError, ValueError) as exc:
+                self._note(f"rank {rank}: an event could not be read ({exc})")
+            else:
+                self._told(a, rank, told)
         if "end" in msg:
             try:
                 outcome = RankOutcome.from_wire(msg["outcome"])
@@ -193,28 +197,30 @@ class Supervisor:
             self.feed(lc.RankEnded(a.number, rank, outcome))
             self._publish()  # every client's view says how the rank ended, as decided here
 
-    def _told(self, a: Attempt, rank: int, told: dict[str, Any]) -> None:
-        if "last" in told:
-            step, when, values = told["last"]
+    def _told(self, a: Attempt, rank: int, told: Told) -> None:
+        if told.last is not None:
+            last = told.last
             self.progress.add(
-                rank, step, when, values, told.get("m", 1), told.get("pts"), told.get("first")
-            )
+                rank, last.step, last.time, last.values, told.records, told.points or None,
+                list(told.first) if told.first else None,
+            )  # fmt: skip
             if not a.reported:
                 a.reported = True
                 self._first_step()
-        if "s" in told:
-            phase = told["s"][0]
-            self.progress.set_status(rank, *told["s"])
-            if phase is not None:
+        if told.status is not None:
+            self.progress.set_status(rank, *told.status)
+            if told.status.phase is not None:
                 self.feed(lc.RankStarted(a.number, rank))
-        for url, step, nbytes, when, stall, world in told.get("c", ()):
-            self.checkpoints.append([url, step, nbytes, rank, when, stall, world])
+        for c in told.checkpoints:
+            self.checkpoints.append(
+                CheckpointInfo(c.url, c.step, c.nbytes, rank, c.time, c.stall, c.world_size)
+            )
             del self.checkpoints[:-_CHECKPOINTS_KEPT]
-            self.ledger.landed(rank, url, step, world)
-        for step, holder, world, _nbytes in told.get("p", ()):
-            self._replicated(rank, step, holder, world)
-        if "l" in told:
-            self._loaded(a, rank, told["l"])
+            self.ledger.landed(rank, c.url, c.step, c.world_size)
+        for r in told.replicas:
+            self._replicated(rank, r.step, r.holder, r.world_size)
+        if told.loaded is not None:
+            self._loaded(a, rank, list(told.loaded))
 
     def on_task(self, rank: int, finish: str, info: dict[str, Any]) -> None:
         """Rank ``rank``'s task of the current attempt reached ``finish`` (memory, erred)."""
@@ -448,7 +454,9 @@ class Supervisor:
         """Ask the workers that keep the job's replicas what they hold before planning the
         next attempt: a rank's word that its replica landed is lost when its worker dies
         right after (SIGKILL within milliseconds), while the replica itself is safe."""
-        holders = self.ledger.holders() | {s.replica_holder for s in last.specs if s.replica_holder}
+        holders = self.ledger.holders() | {
+            s.checkpoint.replica_holder for s in last.specs if s.checkpoint.replica_holder
+        }
         if not holders:
             return
         try:
@@ -519,7 +527,9 @@ class Supervisor:
         """A rank loaded its state: ``Job.history`` says where it really came from."""
         source, step, where = body
         a.loaded.setdefault(rank, []).append(body)
-        planned = {r.source for r in a.specs[rank].restore} if rank < len(a.specs) else set()
+        planned = (
+            {r.source for r in a.specs[rank].checkpoint.restore} if rank < len(a.specs) else set()
+        )
         if planned and source not in planned:
             self._note(
                 f"attempt {a.number}: rank {rank} loaded the checkpoint of step {step} from "
@@ -528,7 +538,7 @@ class Supervisor:
         sources: set[str] = set()
         for r, spec in enumerate(a.specs):
             told = a.loaded.get(r)
-            sources |= {b[0] for b in told} if told else {p.source for p in spec.restore}
+            sources |= {b[0] for b in told} if told else {p.source for p in spec.checkpoint.restore}
         steps = [b[1] for told in a.loaded.values() for b in told]
         restored = (describe_sources(sources), max(steps))
         for i in range(len(self.history) - 1, -1, -1):

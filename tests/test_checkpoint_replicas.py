@@ -205,7 +205,7 @@ def _unannounced(directory: str, go: str) -> dict:
     ``go``), it is killed. The next attempt reports where its state came from."""
     from distributed import Event
 
-    from dask_ddp import _saving, events
+    from dask_ddp import _protocol, _saving
 
     ctx = dask_ddp.get_context()
     state = dask_ddp.get_checkpoint()
@@ -213,7 +213,7 @@ def _unannounced(directory: str, go: str) -> dict:
         if ctx.rank == 0:  # the patch dies with this worker
             say = _saving.Saver._say
             _saving.Saver._say = lambda self, kind, body: (
-                None if kind == events.REPLICA else say(self, kind, body)
+                None if kind == _protocol.REPLICA else say(self, kind, body)
             )
         pending = dask_ddp.save_checkpoint({"w": torch.arange(1000.0), "step": 3}, step=3)
         if pending is not None:

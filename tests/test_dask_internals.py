@@ -14,7 +14,7 @@ from distributed import Client
 from distributed.utils_test import poll_for
 
 import dask_ddp
-from dask_ddp import _dask_internals, _replicas, _topics, events
+from dask_ddp import _dask_internals, _protocol, _replicas, _topics
 
 
 def test_the_installed_distributed_was_checked() -> None:
@@ -101,7 +101,7 @@ def test_call_peer_each_hands_over_every_answer_with_its_index_and_stops_when_to
 
 def test_the_blob_handler_plugin_serves_every_worker(client: Client) -> None:
     dask_ddp.jobs(client)  # dask-ddp's scheduler plugin is installed: it registers it
-    assert set(client.run(_serves, events._HANDLER).values()) == {True}
+    assert set(client.run(_serves, _protocol.BLOB_HANDLER).values()) == {True}
     assert set(client.run(_serves, _replicas._HANDLER).values()) == {True}
 
 

@@ -20,7 +20,7 @@ from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dask_ddp
-from dask_ddp import dispatch, events
+from dask_ddp import _protocol, _reader, dispatch, events
 from dask_ddp.results import DaskResultsHandler, _safe_target
 
 # As in the predecessor's README: a handler created on the client and captured by the
@@ -264,7 +264,7 @@ def test_errors_pickle() -> None:
 
 
 def _hold_payload(job_id: str, dask_worker=None) -> str:
-    events.hold_blob(f"{job_id}/0/0", [events.RESULT, ["k", "x.bin", b"x" * 10]])
+    events.hold_blob(f"{job_id}/0/0", [_protocol.RESULT, ["k", "x.bin", b"x" * 10]])
     return dask_worker.address
 
 
@@ -280,10 +280,10 @@ def test_payloads_are_released_on_delivery_or_when_the_job_is_forgotten(client: 
     worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
     client.run(_hold_payload, "job-a", workers=[worker])
     ref = {"worker": worker, "key": "job-a/0/0", "nbytes": 10}
-    fetched = client.sync(events.fetch_blob, client, ref)
-    assert fetched == [[events.RESULT, ["k", "x.bin", b"x" * 10]]]
+    fetched = client.sync(_reader.fetch_blob, client, ref)
+    assert fetched == [[_protocol.RESULT, ["k", "x.bin", b"x" * 10]]]
     with pytest.raises(dask_ddp.ChannelError, match="no longer holds"):
-        client.sync(events.fetch_blob, client, ref)  # handed over once, then forgotten
+        client.sync(_reader.fetch_blob, client, ref)  # handed over once, then forgotten
     client.run(_hold_payload, "job-b", workers=[worker])
     assert client.run(events.drop_held, "job-b", workers=[worker]) == {worker: 1}
     assert client.run(_blobs_held, workers=[worker]) == {worker: 0}

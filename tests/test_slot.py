@@ -33,7 +33,7 @@ def test_a_second_run_queues_until_the_first_releases() -> None:
     slot.release(first)
     thread.join(60)
     assert claimed.is_set() and slot.current() is second and holders == [first]
-    assert not first.running
+    assert first.links == frozenset()  # nothing of its process group is shut down again
     slot.release(second)
     assert slot.current() is None
 
@@ -106,6 +106,7 @@ def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None
 
 def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> None:
     from dask_ddp import bootstrap
+    from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
     from dask_ddp.placement import RankPlacement
 
     # The client stops a job whose task the worker has started but whose rank has not
@@ -113,11 +114,10 @@ def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> 
     assert bootstrap.abort_rank("late-job", "cancelled by the user") is False
     assert PROCESS.stopped_before_start("late-job") == ("cancelled by the user", None)
     placement = RankPlacement(0, 0, 1, 0, 1, "tcp://w:1", "w", False, None)
-    spec = bootstrap.RankSpec(
-        job_id="late-job", key="dask-ddp-late-job-rank-0", attempt=0, backend="gloo",
-        timeout=60, rendezvous_timeout=5, master_addr="w", master_port=1,
-        threads_per_rank=None, allow_daemon_children=True, pass_local_rank=False,
-        placement=placement,
+    spec = RankSpec(
+        job_id="late-job", run_id="late-job", key="dask-ddp-late-job-rank-0", attempt=0,
+        placement=placement, rendezvous=Rendezvous("gloo", "w", 1, 60, 5),
+        events=EventPlan("dask-ddp-late-job"),
     )  # fmt: skip
     ran = []
     with (

@@ -13,7 +13,7 @@ from distributed import Client, Event
 from distributed.utils_test import poll_for
 
 import dask_ddp
-from dask_ddp import _status, events
+from dask_ddp import _protocol, _status, events
 from dask_ddp._slot import PROCESS, RankRun
 from dask_ddp.view import progress_line, render_html
 
@@ -167,14 +167,14 @@ def test_status_is_sent_on_change_and_a_newer_one_replaces_an_unsent_one() -> No
     channel.put_status(_status.JOINING, "1 of 2 joined")  # waits for the interval ...
     channel.put_status(None, "listing s3://bucket/train")  # ... and is replaced, phase kept
     channel.put_status(None, "listing s3://bucket/train")  # unchanged: not queued
-    channel.put(events.METRICS, [0, 0.0, {"loss": 1.0}])
+    channel.put(_protocol.METRICS, [0, 0.0, {"loss": 1.0}])
     assert channel.close() is None
     channel.put_status(_status.RUNNING)  # after close: ignored, never raises
-    sent = [msg for event in sink.logged if "packed" in event for msg in events.decode(event)]
-    statuses = [body[:2] for kind, body in sent if kind == events.STATUS]
+    sent = [msg for event in sink.logged if "packed" in event for msg in _protocol.decode(event)]
+    statuses = [body[:2] for kind, body in sent if kind == _protocol.STATUS]
     assert statuses == [
         [_status.QUEUED, "waiting for job 1a2b"],
         [_status.JOINING, "listing s3://bucket/train"],
     ]
-    assert [kind for kind, _ in sent] == [events.STATUS, events.METRICS, events.STATUS]
+    assert [kind for kind, _ in sent] == [_protocol.STATUS, _protocol.METRICS, _protocol.STATUS]
     assert sink.logged[-1]["end"] == 3

@@ -1,4 +1,4 @@
-"""The package's shape: layers that import downward only, no import circles, and every use
+"""The package's shape: three wings on one ground floor, no import circles, and every use
 of distributed's private API behind one door (``dask_ddp/_dask_internals.py``, whose own
 tests name the distributed versions it was checked against).
 
@@ -95,56 +95,111 @@ def test_the_circle_finder_finds_circles() -> None:
     assert _circles({"a": {"b"}, "b": set()}) == []
 
 
-# The rank side runs on the workers inside the user's function: it never imports what the
-# client or the scheduler's supervisor run (they import it: its specs, its task functions).
-RANK_SIDE = {
+# Three wings and one ground floor (docs/design.md): the client (launch, the job's handle),
+# the scheduler (the plugin and each job's supervisor) and the ranks (what runs on the
+# workers). Each wing imports only the ground floor (the protocol between the wings and the
+# values they share), the library (dask_ddp.data) and its own modules; the ground floor
+# imports only itself. The public facades (the package, the dask-pytorch-ddp results
+# handler, the framework integrations) may import anything.
+GROUND = {
+    "dask_ddp._protocol",
+    "dask_ddp._activity",
+    "dask_ddp._types",
+    "dask_ddp.errors",
+    "dask_ddp.config",
+    "dask_ddp.placement",
+    "dask_ddp._dask_internals",
+    "dask_ddp._progress",
+    "dask_ddp.view",
+    "dask_ddp._traceback",
+    "dask_ddp._preload",
+    "dask_ddp.script",
+    "dask_ddp._version",
+}
+CLIENT = {
+    "dask_ddp.dispatch",
+    "dask_ddp.job",
+    "dask_ddp._model",
+    "dask_ddp._reader",
+    "dask_ddp._topics",
+    "dask_ddp._cluster",
+    "dask_ddp.__main__",
+}
+SCHEDULER = {
+    "dask_ddp._plugin",
+    "dask_ddp.supervise",
+    "dask_ddp._lifecycle",
+    "dask_ddp._pool",
+    "dask_ddp._launcher",
+    "dask_ddp._ledger",
+    "dask_ddp._dashboard",
+    "dask_ddp.dashboard",
+}
+RANK = {
     "dask_ddp.bootstrap",
     "dask_ddp.context",
     "dask_ddp._slot",
-    "dask_ddp._resize",
-    "dask_ddp._status",
-    "dask_ddp._output",
-    "dask_ddp._process",
-    "dask_ddp._malloc",
     "dask_ddp.events",
     "dask_ddp.checkpoint",
     "dask_ddp._saving",
     "dask_ddp._replicas",
     "dask_ddp._resume",
+    "dask_ddp._resize",
+    "dask_ddp._status",
+    "dask_ddp._output",
+    "dask_ddp._process",
+    "dask_ddp._malloc",
+    "dask_ddp._lanes",
 }
-ABOVE_THE_RANKS = {
-    "dask_ddp.dispatch",
-    "dask_ddp.job",
-    "dask_ddp._model",
-    "dask_ddp._reader",
-    "dask_ddp.view",
-    "dask_ddp.supervise",
-    "dask_ddp._plugin",
-    "dask_ddp._pool",
-    "dask_ddp._launcher",
-    "dask_ddp._ledger",
-    "dask_ddp._dashboard",
+LIBRARY = {m for m in NAMES if m.startswith("dask_ddp.data")}
+FACADES = {"dask_ddp", "dask_ddp.results"} | {
+    m for m in NAMES if m.startswith("dask_ddp.integrations")
 }
-# The supervisor on the scheduler never imports the client's handle and views.
-CLIENT_ONLY = {"dask_ddp.dispatch", "dask_ddp.job", "dask_ddp._model", "dask_ddp._reader"}
-SCHEDULER_SIDE = {"dask_ddp.supervise", "dask_ddp._pool", "dask_ddp._launcher", "dask_ddp._ledger"}
+WINGS = {"client": CLIENT, "scheduler": SCHEDULER, "rank": RANK}
 
 
-@pytest.mark.parametrize("module", sorted(RANK_SIDE))
-def test_the_rank_side_imports_nothing_above_it(module: str) -> None:
-    assert not GRAPH[module] & ABOVE_THE_RANKS
+def _reach(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every module ``module`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for found in graph[todo.pop()] - seen:
+            seen.add(found)
+            todo.append(found)
+    return seen
 
 
-@pytest.mark.parametrize("module", sorted(SCHEDULER_SIDE))
-def test_the_supervisor_imports_no_client_code(module: str) -> None:
-    assert not GRAPH[module] & CLIENT_ONLY
+def test_every_module_has_its_place() -> None:
+    placed = GROUND | LIBRARY | FACADES | CLIENT | SCHEDULER | RANK
+    assert set(NAMES) - placed == set(), "add each new module to a wing or the ground floor"
+    groups = [GROUND, LIBRARY, FACADES, CLIENT, SCHEDULER, RANK]
+    assert sum(len(g) for g in groups) == len(placed), "a module is in two places"
+
+
+@pytest.mark.parametrize("module", sorted(GROUND))
+def test_the_ground_floor_imports_no_wing(module: str) -> None:
+    assert _reach(module, GRAPH) - GROUND == set()
+
+
+@pytest.mark.parametrize(
+    ("wing", "module"), [(w, m) for w, ms in sorted(WINGS.items()) for m in sorted(ms)]
+)
+def test_a_wing_imports_only_the_ground_floor_and_itself(wing: str, module: str) -> None:
+    outside = _reach(module, GRAPH) - GROUND - LIBRARY - WINGS[wing]
+    assert not outside, f"{module} ({wing} wing) reaches {sorted(outside)}"
+
+
+def test_the_wing_check_sees_through_other_modules() -> None:
+    graph = {"c": {"g"}, "g": set(), "c2": {"c"}, "s": {"c2"}}
+    assert _reach("s", graph) == {"c2", "c", "g"}
+    assert _reach("g", graph) == set()
 
 
 @pytest.mark.parametrize("module", sorted(m for m in NAMES if m.startswith("dask_ddp.data")))
 def test_data_needs_no_cluster_and_no_rank_context(module: str) -> None:
     # Datasets run anywhere (a notebook, a DataLoader worker): they take rank and world
     # size from their caller or torch.distributed, never from dask_ddp.context.
-    assert not GRAPH[module] & ({"dask_ddp.context", "dask_ddp._slot"} | ABOVE_THE_RANKS)
+    assert _reach(module, GRAPH) - GROUND - LIBRARY == set()
 
 
 # Private attributes of distributed's objects, as this package names them: a scheduler,
