@@ -27,6 +27,7 @@ from typing import Any
 import cloudpickle
 
 from . import (
+    _cuda,
     _malloc,
     _output,
     _process,
@@ -524,14 +525,12 @@ def _run_in_slot(
     slot: ProcessSlot,
 ) -> Any:
     """Join the process group and run ``fn`` in ``run``, which holds ``slot``."""
-    import torch
     import torch.distributed as dist
 
     p = spec.placement
     store = run.store = _connect_store(spec, slot)  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
-    if p.use_gpu and torch.cuda.is_available():
-        torch.cuda.set_device(0)
+    device = _cuda.rank_device(p, spec.job_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.init_process_group:
         before = _process.socket_fds()
         dist.init_process_group(
@@ -550,7 +549,7 @@ def _run_in_slot(
         world_size=p.world_size,
         local_world_size=p.local_world_size,
         node_rank=p.node_rank,
-        device=torch.device("cuda", 0) if p.use_gpu else torch.device("cpu"),
+        device=device,
         backend=spec.backend,
         attempt=spec.attempt,
         job_id=spec.job_id,
