@@ -276,7 +276,7 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
     }
     if p.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
-    if spec.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+    if "gloo" in spec.backend and "GLOO_SOCKET_IFNAME" not in os.environ:  # cpu:gloo,cuda:nccl too
         ifname = _interface_of(p.host)
         if ifname is not None:
             # gloo otherwise advertises the address the machine's hostname resolves to, often

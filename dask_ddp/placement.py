@@ -253,8 +253,9 @@ def replica_holders(
 def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tuple[str, str]:
     """Pick the torch.distributed backend and say why.
 
-    ``None`` picks nccl when every worker sees a GPU, else gloo. Asking for nccl where a
-    worker has no GPU raises :class:`~dask_ddp.errors.BackendUnavailableError`.
+    ``None`` picks nccl when every worker sees a GPU, else gloo. Asking for nccl (alone or
+    beside gloo, ``"cpu:gloo,cuda:nccl"``) where a worker has no GPU, or ranks of a host
+    would share one, raises :class:`~dask_ddp.errors.BackendUnavailableError`.
 
     >>> choose_backend(None, [WorkerInfo("tcp://a:1", "a", 0)])
     ('gloo', 'no GPU on tcp://a:1')
@@ -270,14 +271,15 @@ def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tupl
             return "gloo", shared[1]
         return "nccl", "every worker sees a GPU"
     backend = str(requested).lower()
-    if backend == "nccl" and no_gpu:
+    nccl = "nccl" in backend  # "nccl", or nccl beside gloo: "cpu:gloo,cuda:nccl"
+    if nccl and no_gpu:
         raise BackendUnavailableError(
             "nccl",
             no_gpu[0].address,
             "nccl needs a CUDA GPU and this worker sees none",
             "Pass backend='gloo' (or backend=None to choose automatically).",
         )
-    if backend == "nccl" and shared is not None:
+    if nccl and shared is not None:
         raise BackendUnavailableError(
             "nccl",
             shared[0],

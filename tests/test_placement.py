@@ -222,6 +222,11 @@ def test_ranks_that_would_share_a_gpu_get_gloo_or_a_clear_error() -> None:
     assert choose_backend(None, one_gpu) == ("gloo", "host a has 2 ranks but 1 GPU")
     with pytest.raises(BackendUnavailableError, match="GPU of its own for each rank"):
         choose_backend("nccl", one_gpu)
+    with pytest.raises(BackendUnavailableError, match="host a has 2 ranks but 1 GPU"):
+        choose_backend("cpu:gloo,cuda:nccl", one_gpu)  # DCP's async_save needs both
+    assert choose_backend("cpu:gloo,cuda:nccl", [WorkerInfo("tcp://a:1", "a", 1)])[0] == (
+        "cpu:gloo,cuda:nccl"
+    )
     two_gpus = [WorkerInfo("tcp://a:1", "a", 2), WorkerInfo("tcp://a:2", "a", 2)]
     assert choose_backend(None, two_gpus)[0] == "nccl"
     dask_cuda = [  # each worker leads with its own GPU: fine
