@@ -449,7 +449,7 @@ def after_section(args: Any, report: Report, client: Any, a: str) -> None:
     report.put("after", out)
 
 
-def tests_section(args: Any, report: Report, left: float) -> None:
+def run_pytest(args: Any, report: Report, left: float) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-m", "gpu"]
     # tests/conftest.py imports the S3 test servers' packages, which test_gpu.py does not
     # need; without them, run it alone (on the CPU, conftest is what skips it).
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
                 after_section(args, report, client, a)
     if "tests" in sections:
         with timed_section(report, "tests"):
-            tests_section(args, report, args.budget - (time.perf_counter() - started))
+            run_pytest(args, report, args.budget - (time.perf_counter() - started))
     report.say(f"\ntotal {time.perf_counter() - started:.1f} s")
     report.put("total_s", time.perf_counter() - started)
 
