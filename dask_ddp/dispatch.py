@@ -131,9 +131,10 @@ def launch(
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
     Each rank gets torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), its own GPU first in
-    ``CUDA_VISIBLE_DEVICES``, and a default process group that is initialised before ``fn``
-    and destroyed after it. Inside ``fn``, :func:`dask_ddp.get_context` describes the rank.
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), a GPU of its own at
+    ``cuda:LOCAL_RANK`` (docs/placement.md), and a default process group that is
+    initialised before ``fn`` and destroyed after it. Inside ``fn``,
+    :func:`dask_ddp.get_context` describes the rank.
 
     Parameters
     ----------
