@@ -69,8 +69,9 @@ class RankContext:
     node_rank : int
         Index of this host among the job's hosts, from 0.
     device : torch.device
-        ``cuda:0`` when the rank has a GPU (``CUDA_VISIBLE_DEVICES`` puts the rank's own GPU
-        first), else ``cpu``.
+        The rank's own GPU, ``cuda:<local_rank>`` (every rank of a host sees the same
+        ``CUDA_VISIBLE_DEVICES``, its own GPU at index ``LOCAL_RANK``, as under torchrun),
+        else ``cpu``. It is the current CUDA device while the rank runs.
     backend : str
         The torch.distributed backend of the process group (``"gloo"`` or ``"nccl"``).
     attempt : int

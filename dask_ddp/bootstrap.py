@@ -27,6 +27,7 @@ from typing import Any
 import cloudpickle
 
 from . import (
+    _cuda,
     _malloc,
     _output,
     _process,
@@ -270,7 +271,8 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
     }
     if p.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
-    if spec.rendezvous.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+    # "gloo", and "cpu:gloo,cuda:nccl" too
+    if "gloo" in spec.rendezvous.backend and "GLOO_SOCKET_IFNAME" not in os.environ:
         ifname = _interface_of(p.host)
         if ifname is not None:
             # gloo otherwise advertises the address the machine's hostname resolves to, often
@@ -525,15 +527,13 @@ def _run_in_slot(
     slot: ProcessSlot,
 ) -> Any:
     """Join the process group and run ``fn`` in ``run``, which holds ``slot``."""
-    import torch
     import torch.distributed as dist
 
     p = spec.placement
     store = run.store = _connect_store(spec, slot)  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
     run.check_stop()
-    if p.use_gpu and torch.cuda.is_available():
-        torch.cuda.set_device(0)
+    device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:
         before = _process.socket_fds()
         _process.fresh_group_names()
@@ -559,7 +559,7 @@ def _run_in_slot(
         world_size=p.world_size,
         local_world_size=p.local_world_size,
         node_rank=p.node_rank,
-        device=torch.device("cuda", 0) if p.use_gpu else torch.device("cpu"),
+        device=device,
         backend=spec.rendezvous.backend,
         attempt=spec.attempt,
         job_id=spec.run_id,

@@ -131,9 +131,10 @@ def launch(
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
     Each rank gets torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), its own GPU first in
-    ``CUDA_VISIBLE_DEVICES``, and a default process group that is initialised before ``fn``
-    and destroyed after it. Inside ``fn``, :func:`dask_ddp.get_context` describes the rank.
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), a GPU of its own at
+    ``cuda:LOCAL_RANK`` (docs/placement.md), and a default process group that is
+    initialised before ``fn`` and destroyed after it. Inside ``fn``,
+    :func:`dask_ddp.get_context` describes the rank.
 
     Parameters
     ----------
@@ -159,9 +160,10 @@ def launch(
         Default: ``workers``, a fixed size. The cluster may have fewer than N workers (an
         adaptive cluster grows for the job); fewer than ``min_workers`` for longer than
         ``ddp.scale-timeout`` fails the job with :class:`~dask_ddp.ScaleTimeoutError`.
-    backend : {"gloo", "nccl", None}, optional
+    backend : {"gloo", "nccl", "cpu:gloo,cuda:nccl", None}, optional
         torch.distributed backend; ``None`` reads ``ddp.backend`` (default: nccl when every
-        worker sees a GPU, else gloo).
+        worker sees a GPU, else gloo). ``"cpu:gloo,cuda:nccl"`` gives one process group
+        both, as DCP's ``async_save`` needs (docs/checkpoints.md).
     timeout : float, str or timedelta, optional
         Process-group timeout: the longest any collective may wait. Seconds, or a string
         like ``"10 minutes"``. ``None`` reads ``ddp.timeout``.

@@ -16,11 +16,12 @@ __all__ = [
     "RankPlacement",
     "WorkerInfo",
     "choose_backend",
+    "device_index",
+    "host_devices",
     "order_workers",
     "parse_visible_devices",
     "plan_ranks",
     "replica_holders",
-    "rotate_devices",
     "select_workers",
 ]
 
@@ -44,7 +45,12 @@ class RankPlacement:
     """Where one rank runs and the environment it gets.
 
     ``cuda_visible_devices`` is the value to set in the rank, or ``None`` to leave the
-    worker's environment as it is (no GPUs, or dask-cuda already chose).
+    worker's own (:func:`host_devices` says which). ``gpu`` is the rank's own GPU as
+    ``CUDA_VISIBLE_DEVICES`` names it (``"3"``, ``"GPU-..."``; ``None`` without GPUs), and
+    ``device_index`` its CUDA ordinal in the rank: ``local_rank`` whenever every rank of
+    the host has a GPU of its own. ``worker_visible_devices`` is the worker's own
+    ``CUDA_VISIBLE_DEVICES``, the list in effect if CUDA started in the worker before the
+    rank could set its own.
     """
 
     rank: int
@@ -57,6 +63,9 @@ class RankPlacement:
     use_gpu: bool
     cuda_visible_devices: str | None
     node_count: int = 1  # hosts in the plan: torchrun's GROUP_WORLD_SIZE
+    gpu: str | None = None
+    device_index: int | None = None
+    worker_visible_devices: str | None = None
 
 
 def _address_key(address: str) -> tuple[str, int, str]:
@@ -75,23 +84,6 @@ def order_workers(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
     ['tcp://a:9', 'tcp://b:9', 'tcp://b:10']
     """
     return sorted(workers, key=lambda w: (w.host, _address_key(w.address)))
-
-
-def rotate_devices(local_rank: int, visible: Sequence[str]) -> str:
-    """Put ``visible[local_rank]`` first and keep the order of the rest.
-
-    This is dask-cuda's convention: the rank's own GPU becomes ``cuda:0`` while every GPU
-    stays visible (for peer-to-peer copies).
-
-    >>> rotate_devices(2, [str(i) for i in range(8)])
-    '2,3,4,5,6,7,0,1'
-    >>> rotate_devices(1, ["0", "1", "2", "GPU-9baca7f5"])
-    '1,2,GPU-9baca7f5,0'
-    """
-    if not visible:
-        raise ValueError("rotate_devices needs at least one visible device")
-    i = local_rank % len(visible)
-    return ",".join([*visible[i:], *visible[:i]])
 
 
 def parse_visible_devices(value: str | None) -> list[str] | None:
@@ -114,35 +106,82 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _cuda_env(
-    worker: WorkerInfo, local_rank: int, host_workers: Sequence[WorkerInfo]
-) -> str | None:
-    if worker.gpu_count <= 0:
+def host_devices(workers: Sequence[WorkerInfo]) -> tuple[list[str | None], list[str] | None]:
+    """The GPUs of one host's ranks: each worker's own GPU (``workers`` in local-rank
+    order), and the ``CUDA_VISIBLE_DEVICES`` list every rank of the host gets (``None``:
+    each keeps its worker's own, because they already agree).
+
+    The rule: every rank of a host sees the same list, with its own GPU at index
+    ``LOCAL_RANK``, so ``cuda:LOCAL_RANK`` (what torchrun scripts, accelerate, Lightning
+    and DeepSpeed pick) is the rank's own GPU, and so is ``get_context().device``.
+
+    - Workers without a ``CUDA_VISIBLE_DEVICES`` of their own (a LocalCluster), or all
+      with the same one (set once for the host): nothing to change; local rank ``k``
+      owns the list's ``k``-th GPU (as under torchrun), wrapping around when the host has
+      more ranks than GPUs.
+    - Workers that each lead with a GPU of their own (dask-cuda's rotation: worker ``i``
+      sees ``i,i+1,...,0,...,i-1``): each keeps the GPU dask-cuda gave it, and every rank
+      gets the job's GPUs on the host in local-rank order, then the host's others.
+
+    >>> host_devices([WorkerInfo("tcp://h:1", "h", 4), WorkerInfo("tcp://h:2", "h", 4)])
+    (['0', '1'], None)
+    >>> host_devices([WorkerInfo("tcp://h:1", "h", 4, "2,3,0,1"),
+    ...               WorkerInfo("tcp://h:2", "h", 4, "0,1,2,3")])
+    (['2', '0'], ['2', '0', '3', '1'])
+    """
+    n = len(workers)
+    if all(w.gpu_count <= 0 for w in workers):
+        return [None] * n, None
+    lists = [parse_visible_devices(w.cuda_visible_devices) for w in workers]
+    if all(v is None for v in lists) or (n > 1 and all(v == lists[0] for v in lists)):
+        gpus = min(w.gpu_count for w in workers)
+        shared = lists[0] if lists[0] is not None else [str(i) for i in range(gpus)]
+        return ([shared[k % len(shared)] if shared else None for k in range(n)], None)
+    # Each worker leads with its own GPU (dask-cuda); one without a list of its own gets
+    # the first GPU nobody leads with.
+    owned = {v[0] for v in lists if v}
+    spare = iter([str(i) for i in range(max(w.gpu_count for w in workers)) if str(i) not in owned])
+    own = [(v[0] if v else None) if v is not None else next(spare, None) for v in lists]
+    rest = [d for v in lists if v for d in v]
+    return own, list(dict.fromkeys([*(g for g in own if g is not None), *rest]))
+
+
+def device_index(gpu: str | None, visible: str | None) -> int | None:
+    """The CUDA ordinal of ``gpu`` in a process whose CUDA started under
+    ``CUDA_VISIBLE_DEVICES=visible`` (``None``: unset, every GPU in CUDA's order); ``None``
+    if that process cannot see it.
+
+    >>> device_index("3", "2,3,0,1"), device_index("3", None), device_index("3", "0,1")
+    (1, 3, None)
+    """
+    if gpu is None:
         return None
-    own = parse_visible_devices(worker.cuda_visible_devices)
-    if own is None:
-        return rotate_devices(local_rank, [str(i) for i in range(worker.gpu_count)])
-    # A worker with its own CUDA_VISIBLE_DEVICES: dask-cuda gives each worker a different
-    # rotation, and then the worker's GPU is already cuda:0. Rotate only when every worker
-    # on the host sees the same list (set once for the whole host by the user).
-    lists = {tuple(parse_visible_devices(w.cuda_visible_devices) or ()) for w in host_workers}
-    if len(host_workers) > 1 and len(lists) == 1 and own:
-        return rotate_devices(local_rank, own)
-    return None
+    listed = parse_visible_devices(visible)
+    if listed is None:
+        return int(gpu) if gpu.isdigit() else None
+    return listed.index(gpu) if gpu in listed else None
 
 
 def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
-    """Plan one rank per worker: global rank, local rank and node rank, and GPU visibility.
+    """Plan one rank per worker: global rank, local rank and node rank, and its GPU.
 
     Workers are grouped by host (:func:`order_workers`); local ranks restart at 0 on each
-    host and node ranks count hosts. A worker that sees ``gpu_count`` GPUs and has no
-    ``CUDA_VISIBLE_DEVICES`` of its own gets the GPU list rotated by its local rank.
+    host and node ranks count hosts. On a host with GPUs each rank's own GPU is
+    ``cuda:LOCAL_RANK`` (:func:`host_devices`).
 
     >>> plan = plan_ranks([WorkerInfo("tcp://h:2", "h", 8), WorkerInfo("tcp://h:1", "h", 8),
     ...                    WorkerInfo("tcp://h:3", "h", 8)])
-    >>> [(p.rank, p.worker, p.cuda_visible_devices) for p in plan]  # doctest: +NORMALIZE_WHITESPACE
-    [(0, 'tcp://h:1', '0,1,2,3,4,5,6,7'), (1, 'tcp://h:2', '1,2,3,4,5,6,7,0'),
-     (2, 'tcp://h:3', '2,3,4,5,6,7,0,1')]
+    >>> [(p.rank, p.worker, p.gpu, p.device_index, p.cuda_visible_devices) for p in plan]
+    [(0, 'tcp://h:1', '0', 0, None), (1, 'tcp://h:2', '1', 1, None), (2, 'tcp://h:3', '2', 2, None)]
+
+    dask-cuda workers (each leads with its own GPU) keep their GPUs, and every rank of
+    the host sees them in local-rank order:
+
+    >>> plan = plan_ranks([WorkerInfo("tcp://h:1", "h", 4, "2,3,0,1"),
+    ...                    WorkerInfo("tcp://h:2", "h", 4, "0,1,2,3"),
+    ...                    WorkerInfo("tcp://h:3", "h", 4, "1,2,3,0")])
+    >>> [(p.local_rank, p.gpu, p.device_index, p.cuda_visible_devices) for p in plan]
+    [(0, '2', 0, '2,0,1,3'), (1, '0', 1, '2,0,1,3'), (2, '1', 2, '2,0,1,3')]
     """
     ordered = order_workers(workers)
     if not ordered:
@@ -160,7 +199,10 @@ def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
         )
     plan = []
     for node_rank, host_workers in enumerate(hosts.values()):
+        own, visible = host_devices(host_workers)
+        shared = ",".join(visible) if visible is not None else None
         for local_rank, w in enumerate(host_workers):
+            sees = w.cuda_visible_devices if shared is None else shared
             plan.append(
                 RankPlacement(
                     rank=len(plan),
@@ -170,9 +212,12 @@ def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
                     world_size=len(ordered),
                     worker=w.address,
                     host=w.host,
-                    use_gpu=w.gpu_count > 0,
-                    cuda_visible_devices=_cuda_env(w, local_rank, host_workers),
+                    use_gpu=own[local_rank] is not None,
+                    cuda_visible_devices=None if sees == w.cuda_visible_devices else sees,
                     node_count=len(hosts),
+                    gpu=own[local_rank],
+                    device_index=device_index(own[local_rank], sees),
+                    worker_visible_devices=w.cuda_visible_devices,
                 )
             )
     return plan
@@ -207,8 +252,9 @@ def replica_holders(
 def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tuple[str, str]:
     """Pick the torch.distributed backend and say why.
 
-    ``None`` picks nccl when every worker sees a GPU, else gloo. Asking for nccl where a
-    worker has no GPU raises :class:`~dask_ddp.errors.BackendUnavailableError`.
+    ``None`` picks nccl when every worker sees a GPU, else gloo. Asking for nccl (alone or
+    beside gloo, ``"cpu:gloo,cuda:nccl"``) where a worker has no GPU, or ranks of a host
+    would share one, raises :class:`~dask_ddp.errors.BackendUnavailableError`.
 
     >>> choose_backend(None, [WorkerInfo("tcp://a:1", "a", 0)])
     ('gloo', 'no GPU on tcp://a:1')
@@ -224,14 +270,15 @@ def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tupl
             return "gloo", shared[1]
         return "nccl", "every worker sees a GPU"
     backend = str(requested).lower()
-    if backend == "nccl" and no_gpu:
+    nccl = "nccl" in backend  # "nccl", or nccl beside gloo: "cpu:gloo,cuda:nccl"
+    if nccl and no_gpu:
         raise BackendUnavailableError(
             "nccl",
             no_gpu[0].address,
             "nccl needs a CUDA GPU and this worker sees none",
             "Pass backend='gloo' (or backend=None to choose automatically).",
         )
-    if backend == "nccl" and shared is not None:
+    if nccl and shared is not None:
         raise BackendUnavailableError(
             "nccl",
             shared[0],
@@ -245,22 +292,21 @@ def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tupl
 def _shared_gpu(workers: Sequence[WorkerInfo]) -> tuple[str, str] | None:
     """A host whose ranks would have to share a GPU, if any: (a worker, why).
 
-    Workers that set their own ``CUDA_VISIBLE_DEVICES`` (dask-cuda) each lead with their
-    own GPU; others get one by local rank, so a host needs as many GPUs as ranks.
+    Each rank's GPU is the one :func:`host_devices` gives it: by local rank from the
+    host's list, or the one its worker leads with (dask-cuda).
 
     >>> _shared_gpu([WorkerInfo("tcp://a:1", "a", 1), WorkerInfo("tcp://a:2", "a", 1)])
     ('tcp://a:1', 'host a has 2 ranks but 1 GPU')
     """
     by_host: dict[str, list[WorkerInfo]] = {}
-    for w in workers:
+    for w in order_workers(workers):
         by_host.setdefault(w.host, []).append(w)
     for host, ranks in by_host.items():
-        planned = [w for w in ranks if w.cuda_visible_devices is None]
-        gpus = min((w.gpu_count for w in ranks), default=0)
-        own = {w.cuda_visible_devices.split(",")[0] for w in ranks if w.cuda_visible_devices}
-        if len(planned) > gpus or len(own) < len(ranks) - len(planned):
-            plural = "" if gpus == 1 else "s"
-            return ranks[0].address, f"host {host} has {len(ranks)} ranks but {gpus} GPU{plural}"
+        own, _ = host_devices(ranks)
+        gpus = {g for g in own if g is not None}
+        if len(gpus) < len(ranks):
+            why = f"host {host} has {len(ranks)} ranks but {len(gpus)} GPU"
+            return ranks[0].address, why + ("" if len(gpus) == 1 else "s")
     return None
 
 

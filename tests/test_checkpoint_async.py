@@ -62,8 +62,8 @@ def _assert_same(expected, got, path: str = "") -> None:
         assert got == expected, path
 
 
-def _save_then_change_everything() -> tuple | None:
-    ctx = dask_ddp.get_context()
+def _training_state() -> dict:
+    """A model's and Adam's state after a step, with tied weights and a view."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     model[2].weight = model[0].weight  # tied: one storage under two names
@@ -71,22 +71,31 @@ def _save_then_change_everything() -> tuple | None:
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     flat = torch.arange(12.0)
-    state = {
+    return {
         "model": model.state_dict(),
         "opt": opt.state_dict(),
         "step": 3,
         "window": flat[2:6],  # a view of a larger storage
         "extra": [flat, torch.ones(2, dtype=torch.int64), "name"],
     }
-    expected = copy.deepcopy(state)  # the state as it was at the call
-    pending = dask_ddp.save_checkpoint(state, step=3)
-    # The next "optimizer step" and more: every tensor and container changes at once.
+
+
+def _change_everything(state: dict) -> None:
+    """The next "optimizer step" and more: every tensor and container changes at once."""
     with torch.no_grad():
         for _, t in _tensors(state):
             t.add_(100)
     state["opt"]["param_groups"][0]["lr"] = 9.0
     state["extra"].append("later")
-    state["step"] = 4
+    state["step"] += 1
+
+
+def _save_then_change_everything() -> tuple | None:
+    ctx = dask_ddp.get_context()
+    state = _training_state()
+    expected = copy.deepcopy(state)  # the state as it was at the call
+    pending = dask_ddp.save_checkpoint(state, step=3)
+    _change_everything(state)
     if ctx.rank != 0:
         return None
     info = pending.wait(60)
@@ -293,6 +302,54 @@ def test_a_third_save_waits_for_the_first_to_be_written(s3_client, bucket, flaky
     assert [b[1] for b in said] == [1, 2, 3]  # announced durable, in step order
     state = checkpoint.latest(f"s3://{bucket}/order", storage_options=_options(proxy.url))[1]
     assert state["w"][0].item() == 2.0
+
+
+def _kept(saver: Saver) -> set[int]:
+    """The addresses of the buffers a saver keeps for its next copy."""
+    return {b.data_ptr() for bufs in saver.stager._free.values() for b in bufs}
+
+
+def test_a_save_without_buffers_is_copied_on_its_device_and_moved_off_the_training_path(
+    tmp_path, caplog
+) -> None:
+    # A GPU state's first save finds no pinned buffers, and pinning them in the save would
+    # stall it (0.46 s per GB on an H100): it is copied on the GPU, and the writer moves
+    # the copy into pinned buffers. Here the CPU stands in for the GPU.
+    asked: list[tuple[str, int]] = []
+
+    def device_first(device: torch.device, nbytes: int) -> bool:
+        asked.append((device.type, nbytes))
+        return True
+
+    saver = Saver(
+        CheckpointSettings(str(tmp_path)), rank=0, world_size=1,
+        announce=lambda kind, body: None, device_first=device_first,
+    )  # fmt: skip
+    state = _training_state()
+    expected = copy.deepcopy(state)
+    with caplog.at_level(logging.DEBUG, logger="dask_ddp._saving"):
+        first = saver.save(state, step=1)
+        _change_everything(state)
+        assert first.wait(60).step == 1
+    assert asked == [("cpu", saver.stager.size(state))]  # every storage, each once
+    assert "checkpoint of step 1 staged" in caplog.text and "(partly on its devices)" in caplog.text
+    assert "step 1 moved off its devices" in caplog.text
+    # The writer moved the copy into buffers kept for the next save.
+    assert saver.stager.free_bytes == saver.stager.size(state)
+    kept = _kept(saver)
+    loaded = checkpoint.latest(str(tmp_path))[1]
+    _assert_same(expected, loaded)  # as it was at the call, none of the changes after
+    assert loaded["model"]["0.weight"].data_ptr() == loaded["model"]["2.weight"].data_ptr()
+    # The next save finds a buffer for every storage: copied straight into them.
+    asked.clear()
+    caplog.clear()
+    expected = copy.deepcopy(state)
+    with caplog.at_level(logging.DEBUG, logger="dask_ddp._saving"):
+        assert saver.save(state, step=2).wait(60).step == 2
+    assert asked == [] and "moved off" not in caplog.text
+    assert _kept(saver) == kept  # the same buffers, reused
+    _assert_same(expected, checkpoint.latest(str(tmp_path))[1])
+    saver.finish()
 
 
 def test_the_end_raises_a_write_that_failed(s3_client, locked) -> None:

@@ -271,18 +271,101 @@ def test_cancel_stops_every_rank(client: Client) -> None:
     )
 
 
-def test_gpu_count_override_rotates_visible_devices(client: Client) -> None:
+def _device_choices(gpu_count: int) -> dict:
+    """The GPU (as CUDA_VISIBLE_DEVICES names it) that each way of choosing a device picks
+    in this rank. With ``ddp.gpu-count`` no GPU exists, so each framework's own code gives
+    the CUDA ordinal it would use, and the rank's CUDA_VISIBLE_DEVICES turns it into a GPU."""
+    from accelerate.state import PartialState
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.fabric.utilities.device_parser import _normalize_parse_gpu_input_to_list
+
+    ctx = dask_ddp.get_context()
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = value.split(",") if value is not None else [str(i) for i in range(gpu_count)]
+    # accelerate (PartialState.set_device): cuda:(local_process_index % device_count()).
+    # Without CUDA it takes the CPU path, which reads the same LOCAL_RANK.
+    state = PartialState(cpu=True)
+    try:
+        accelerate = state.local_process_index % len(visible)
+    finally:
+        PartialState._reset_state()
+    # Lightning (Trainer(strategy="ddp", devices=local_world_size) under torchrun, which
+    # dask_ddp's environment makes it detect): root_device = parallel_devices[local_rank]
+    assert TorchElasticEnvironment.detect()
+    ids = _normalize_parse_gpu_input_to_list(ctx.local_world_size, True, False)
+    lightning = ids[TorchElasticEnvironment().local_rank()]
+    return {
+        "worker": ctx.worker,
+        "visible": value,
+        "get_context().device": visible[ctx.device.index],
+        "cuda:LOCAL_RANK (torchrun scripts, DeepSpeed)": visible[int(os.environ["LOCAL_RANK"])],
+        "accelerate": visible[accelerate],
+        "Lightning": visible[lightning],
+    }
+
+
+def _chosen(out: list[dict]) -> list[str]:
+    """The one GPU every way picks in each rank (fails if two ways pick differently)."""
+    picks = [{v for k, v in o.items() if k not in ("worker", "visible")} for o in out]
+    assert all(len(p) == 1 for p in picks), out
+    return [p.pop() for p in picks]
+
+
+def test_gpu_count_override_puts_every_framework_on_the_rank_s_own_gpu(client: Client) -> None:
     import dask
 
     with dask.config.set({"ddp.gpu-count": 4}):
-        out = dask_ddp.launch(client, _seen_by_rank, args=("gpu",), backend="gloo").result(
-            timeout=60
-        )
-    assert [o["env"]["CUDA_VISIBLE_DEVICES"] for o in out] == ["0,1,2,3", "1,2,3,0"]
-    assert [str(o["ctx"].device) for o in out] == ["cuda:0", "cuda:0"]
+        job = dask_ddp.launch(client, _device_choices, args=(4,), backend="gloo")
+        out = job.result(timeout=120)
+    # Workers without a CUDA_VISIBLE_DEVICES of their own keep none (as under torchrun):
+    # rank k's GPU is cuda:k, whatever picks it.
+    assert [o["visible"] for o in out] == [None, None]
+    assert _chosen(out) == ["0", "1"]
     assert all(
         v["rank_env"]["CUDA_VISIBLE_DEVICES"] is None for v in client.run(_worker_state).values()
     )
+
+
+def _visible_devices() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.slow
+def test_dask_cuda_workers_keep_their_gpu_for_every_framework() -> None:
+    import dask
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    # dask-cuda's LocalCUDACluster on a 4-GPU host: worker i's list is rotated by i, so
+    # its own GPU leads. Three workers, in whatever address order their ports give.
+    rotated = ["0,1,2,3", "1,2,3,0", "2,3,0,1"]
+    spec = {
+        f"cuda-{i}": {"cls": Nanny, "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": v}}}
+        for i, v in enumerate(rotated)
+    }
+    with (
+        SpecCluster(
+            spec, scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+        ) as cluster,
+        Client(cluster) as c,
+        dask.config.set({"ddp.gpu-count": 4}),
+    ):
+        c.wait_for_workers(3, timeout="60s")
+        own = {a: v.split(",")[0] for a, v in c.run(_visible_devices).items()}
+        out = dask_ddp.launch(c, _device_choices, args=(4,), backend="gloo").result(timeout=120)
+        assert _chosen(out) == [own[o["worker"]] for o in out]  # the GPU dask-cuda gave it
+        assert len({o["visible"] for o in out}) == 1  # one list for the whole host
+        # A job on two of them: the same; the host's other GPUs stay visible, after theirs.
+        two = sorted(own)[1:]
+        out = dask_ddp.launch(c, _device_choices, args=(4,), workers=two, backend="gloo")
+        out = out.result(timeout=120)
+        assert _chosen(out) == [own[o["worker"]] for o in out]
+        (visible,) = {o["visible"] for o in out}
+        assert visible.split(",")[:2] == _chosen(out)
+        assert set(visible.split(",")[2:]) == {"0", "1", "2", "3"} - set(_chosen(out))
+        # Each worker's own list is back once its rank ended.
+        assert {a: v for a, v in c.run(_visible_devices).items()} == {
+            a: rotated[["0", "1", "2"].index(g)] for a, g in own.items()
+        }
 
 
 def test_nccl_without_gpus_fails_before_launch(client: Client) -> None:

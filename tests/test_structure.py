@@ -137,6 +137,7 @@ SCHEDULER = {
 }
 RANK = {
     "dask_ddp.bootstrap",
+    "dask_ddp._cuda",
     "dask_ddp.context",
     "dask_ddp._slot",
     "dask_ddp.events",
