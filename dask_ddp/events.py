@@ -525,18 +525,60 @@ class RankStream:
         return missing, ready
 
 
+# Clients that reach the workers only through the scheduler: a proxy stands between them
+# (dask-gateway's, for notebooks outside the cluster's network), or the client was made
+# with direct_to_workers=False, or a worker could not be reached from it once.
+_through_scheduler: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _reaches_workers(client: Client) -> bool:
+    if client in _through_scheduler or client.direct_to_workers is False:
+        return False
+    return not str(client.scheduler.address).startswith("gateway://")
+
+
+def _take_blob(key: str, dask_worker: Any = None) -> dict[str, Any]:
+    """Run on a worker (``Client.run``, through the scheduler): hand over one large message
+    and forget it."""
+    with _blobs_lock:
+        msgs = _blobs.pop(key, None)
+    return {"status": "missing"} if msgs is None else {"status": "OK", "msgs": msgs}
+
+
 async def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
-    """Fetch a message sent by reference, directly from the rank's worker (on the client's
-    event loop). The worker forgets it as it hands it over. Never touches the scheduler.
+    """Fetch a message sent by reference from the rank's worker (on the client's event
+    loop), which forgets it as it hands it over.
+
+    Directly from the worker, without the scheduler, where this client reaches the
+    workers; through the scheduler (``Client.run``, as Dask's own ``gather`` goes for a
+    client that does not connect to workers) where a proxy stands between them
+    (``gateway://``), the client was made with ``direct_to_workers=False``, or a worker
+    could not be reached once (then for the rest of the client's life).
 
     Raises
     ------
     ChannelError
         The worker no longer holds it (it restarted, or the job was forgotten).
     OSError
-        The worker cannot be reached.
+        The worker cannot be reached, even through the scheduler.
     """
-    reply = await _dask_internals.call_worker(client, ref["worker"], _HANDLER, key=ref["key"])
+    reply = None
+    if _reaches_workers(client):
+        try:
+            reply = await _dask_internals.call_worker(
+                client, ref["worker"], _HANDLER, key=ref["key"]
+            )
+        except OSError as exc:
+            logger.info(
+                "dask-ddp: %s cannot be reached from this client (%s): large rank messages "
+                "come through the scheduler from now on", ref["worker"], exc,
+            )  # fmt: skip
+            _through_scheduler.add(client)
+    if reply is None:
+        replies = await client.run(
+            _take_blob, ref["key"], workers=[ref["worker"]], asynchronous=True
+        )
+        reply = replies[ref["worker"]]
     if reply.get("status") != "OK":
         job, rank, _ = ref["key"].split("/")
         raise ChannelError(int(rank), job, f"{ref['worker']} no longer holds {ref['key']}")
