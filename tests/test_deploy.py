@@ -25,6 +25,7 @@ from typing import Any
 import cloudpickle
 import pytest
 from distributed import Client, Event, LocalCluster
+from distributed.comm import get_address_host
 from distributed.security import Security
 
 import dask_ddp
@@ -114,6 +115,27 @@ def _check_followed(job: dask_ddp.Job) -> None:
     assert [c.step for c in job.checkpoints] == [2, 5, 8]
     steps = sorted({(r.rank, r.step) for r in job.metrics if r.step >= 6})
     assert steps == [(rank, step) for rank in (0, 1) for step in range(6, STEPS)]
+
+
+# -- what the rendezvous exposes --------------------------------------------------------
+def _store_listens_on() -> list[str]:
+    """On rank 0: the addresses the job's store listens on (it is in this process)."""
+    import psutil
+
+    port = int(os.environ["MASTER_PORT"])
+    return sorted(
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    )
+
+
+def test_the_job_s_store_listens_on_the_worker_s_own_address(client: Client) -> None:
+    """torchrun's store listens on every interface of the machine; a job's store here
+    listens on its worker's address only (127.0.0.1 for this LocalCluster's workers)."""
+    job = dask_ddp.launch(client, _store_listens_on)
+    listens = job.result(timeout=120)
+    assert listens[0] == [get_address_host(job.workers[0])], listens
 
 
 # -- a TLS LocalCluster --------------------------------------------------------------------
