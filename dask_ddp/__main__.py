@@ -806,7 +806,7 @@ def _run_job(
         except (DaskDDPError, SyntaxError, ImportError) as exc:
             _say(str(exc))
             return 1
-        log.info("job %s: %d ranks running %s", job.job_id, job.world_size, opts.script)
+        log.info("job %s (%s): %s", job.job_id, opts.script, job.state.value)
         if opts.detach:
             _say(_attach_hint(client, job))
             return 0

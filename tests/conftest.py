@@ -141,6 +141,9 @@ class DaskProcesses:
         )  # fmt: skip
         self.address = self.scheduler.wait_for(r"Scheduler at:\s+(\S+)")[1]
         self.workers = [self.add_worker() for _ in range(n_workers)]
+        if n_workers:
+            with Client(self.address) as client:
+                client.wait_for_workers(n_workers, timeout=120)
 
     def add_worker(self) -> Output:
         return Output(
