@@ -234,23 +234,15 @@ def module_files(name: str, folder: str | None = None) -> ScriptFiles:
     file = spec.origin
     if not os.path.realpath(file).startswith(folder + os.sep):
         return ScriptFiles(file, folder)  # installed: the workers import their own copy
-    modules = {}
+    # By its name: its packages' __init__ files come too, and relative imports resolve.
     finder = modulefinder.ModuleFinder(path=[folder])
-    finder.run_script(file)
+    finder.import_hook(spec.name)
+    modules = {}
     for found in finder.modules.values():
         where = found.__file__
         if where and os.path.realpath(where).startswith(folder + os.sep):
             with open(where, "rb") as f:
                 modules[os.path.relpath(os.path.realpath(where), folder)] = f.read()
-    # The module's own file, and the __init__ of each package above it.
-    parts = os.path.relpath(os.path.realpath(file), folder).split(os.sep)
-    for depth in range(1, len(parts)):
-        init = os.path.join(folder, *parts[:depth], "__init__.py")
-        if os.path.isfile(init):
-            with open(init, "rb") as f:
-                modules[os.path.relpath(init, folder)] = f.read()
-    with open(file, "rb") as f:
-        modules[os.path.join(*parts)] = f.read()
     return ScriptFiles(os.path.abspath(file), folder, modules)
 
 
