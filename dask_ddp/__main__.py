@@ -564,7 +564,11 @@ def _log_torchrun_options(opts: argparse.Namespace) -> None:
     """Say once, at INFO (``-v``), which of torchrun's options given change nothing here."""
     log = logging.getLogger("dask_ddp")
     given = {
-        kind: [o.flags[0] for o in TORCHRUN_OPTIONS if o.kind == kind and _given(opts, o)]
+        kind: [
+            o.flags[-1] if len(o.flags[0]) == 2 else o.flags[0]  # --tee, not -t
+            for o in TORCHRUN_OPTIONS
+            if o.kind == kind and _given(opts, o)
+        ]
         for kind in ("rendezvous", "ignored")
     }
     if given["rendezvous"]:

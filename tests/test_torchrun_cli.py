@@ -9,6 +9,7 @@ The table of torchrun's options (what each does here) is one piece of data, show
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -176,3 +177,30 @@ def test_no_python_runs_a_program_with_torchrun_s_environment(tmp_path: Path) ->
     )  # fmt: skip
     assert failing.returncode == 1, failing.stderr
     assert "sh exited with status 3" in failing.stderr, failing.stderr
+
+
+def test_the_rendezvous_options_are_said_once_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dask_ddp.__main__ import _check, _log_torchrun_options, _parser
+
+    (tmp_path / "train.py").write_text("import torch\n")
+    parser = _parser()
+    opts = parser.parse_args(
+        ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--standalone", "--tee", "3",
+         "--nproc-per-node", "2", str(tmp_path / "train.py"), "--tee", "kept"]
+    )  # fmt: skip
+    _check(parser, opts)
+    assert opts.size == (2, 2) and opts.args == ["--tee", "kept"]  # the script's own, after it
+    with caplog.at_level(logging.INFO, logger="dask_ddp"):
+        _log_torchrun_options(opts)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [
+        (
+            logging.INFO,
+            "torchrun's --standalone, --rdzv-backend, --rdzv-endpoint: the Dask cluster does "
+            "the rendezvous (rank 0's worker opens the job's store on a free port of its own "
+            "address)",
+        ),
+        (logging.INFO, "torchrun's --tee: accepted and ignored (see python -m dask_ddp --help)"),
+    ], said
