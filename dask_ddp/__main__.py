@@ -1,10 +1,17 @@
 """``python -m dask_ddp [--scheduler ADDR] [--nworkers N|MIN:MAX] [--max-restarts N]
-[--checkpoint-dir URL] script.py ARGS...``
+[--checkpoint-dir URL] [--name NAME] [--detach] [torchrun's options] script.py ARGS...``
 
 Runs a torchrun-style script as ``__main__`` on N Dask workers, one rank each, with the
 environment torchrun would give it. Without ``--scheduler`` it starts a LocalCluster of
 N worker processes (default 2; MAX of a range) for the run. Exits with 0 when every rank
-succeeded, 1 with the failing rank's traceback otherwise, 2 for bad arguments.
+succeeded, 1 with the failing rank's traceback otherwise, 2 for bad arguments, 130 when a
+signal (Ctrl-C, SIGTERM) stopped it: the job is cancelled first, as torchrun stops its ranks.
+
+torchrun's whole command line is taken, so that replacing the word ``torchrun`` is the
+only change (:data:`TORCHRUN_OPTIONS` says what each of its options does here):
+``--nproc-per-node`` times ``--nnodes`` is the number of workers, ``-m`` runs a module,
+``--no-python`` a program; the rendezvous options are accepted, and the Dask cluster does
+the rendezvous.
 
 Quiet, as torchrun is: it prints what the script prints, then one line of outcome (with
 the restarts and resizes there were, and the last values the script reported). Dask's and
@@ -24,11 +31,12 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 _EPILOG = """\
 Options go before the script: everything after it is passed to the script.
@@ -37,15 +45,160 @@ examples:
   %(prog)s train.py --epochs 3
   %(prog)s --scheduler tcp://scheduler:8786 --nworkers 8 train.py --lr 0.1
   %(prog)s --nworkers 2:4 --max-restarts 3 --checkpoint-dir s3://bucket/run1 train.py
+  %(prog)s --standalone --nproc-per-node=2 train.py        (torchrun's command line)
+  %(prog)s --scheduler tcp://scheduler:8786 --name nightly --detach train.py
 
 Each rank sees RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
 TORCHELASTIC_RESTART_COUNT as under torchrun and calls init_process_group() itself. A
 restarted script runs again from its start and resumes from dask_ddp.get_checkpoint() or
 from snapshot files of its own (docs/scripts.md). What the ranks print is shown here with a
 [rank N] prefix (with a LocalCluster the workers share this terminal and print directly).
-Settings: DASK_DDP__TIMEOUT, DASK_DDP__RENDEZVOUS_TIMEOUT, ... (see dask_ddp.yaml).
-exit status: 0 every rank succeeded, 1 a rank failed or the cluster was unusable, 2 usage.
+Ctrl-C or SIGTERM cancels the job (its ranks stop, their workers are free) and exits 130.
+Settings: DASK_DDP__TIMEOUT, DASK_DDP__SCALE_TIMEOUT, ... (see dask_ddp.yaml).
+exit status: 0 every rank succeeded, 1 a rank failed or the cluster was unusable, 2 usage,
+130 stopped by a signal.
 """
+
+
+class TorchrunOption(NamedTuple):
+    """One of torchrun's options, and what it does here (``--help`` and docs/scripts.md
+    show the table)."""
+
+    flags: tuple[str, ...]
+    metavar: str | None  # None: a switch
+    kind: str  # "used": it changes what runs; "rendezvous" or "ignored": accepted only
+    here: str
+
+
+_RENDEZVOUS = "accepted: the Dask cluster does the rendezvous"
+
+#: torchrun's options (torch 2.14) and what each does here.
+TORCHRUN_OPTIONS = (
+    TorchrunOption(
+        ("--nproc-per-node", "--nproc_per_node"), "N", "used",
+        "ranks per node: a number, or gpu, cpu, auto counted on this machine as torchrun "
+        "counts them (with --scheduler: every worker); times --nnodes, the number of Dask "
+        "workers the job takes",
+    ),
+    TorchrunOption(
+        ("--nnodes",), "N|MIN:MAX", "used",
+        "nodes (default 1); MIN:MAX runs elastic, as --nworkers MIN*P:MAX*P does with P "
+        "ranks per node",
+    ),
+    TorchrunOption(
+        ("--max-restarts", "--max_restarts"), "N", "used",
+        "restart the ranks up to N times after a lost worker or RetryableError",
+    ),
+    TorchrunOption(
+        ("-m", "--module"), None, "used",
+        "the script is a module, run as python -m NAME; the working directory comes first "
+        "on the ranks' sys.path",
+    ),
+    TorchrunOption(
+        ("--no-python", "--no_python"), None, "used",
+        "the script is a program, not Python: each rank runs it as a process of its own, "
+        "with torchrun's environment",
+    ),
+    TorchrunOption(
+        ("--signals-to-handle", "--signals_to_handle"), "SIGNALS", "used",
+        "the signals that cancel the job and exit 130 (default SIGTERM,SIGINT,SIGHUP,"
+        "SIGQUIT, as torchrun's)",
+    ),
+    TorchrunOption(("--standalone",), None, "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--rdzv-backend", "--rdzv_backend"), "BACKEND", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--rdzv-endpoint", "--rdzv_endpoint"), "HOST:PORT", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--rdzv-id", "--rdzv_id"), "ID", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--rdzv-conf", "--rdzv_conf"), "CONF", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--master-addr", "--master_addr"), "ADDR", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--master-port", "--master_port"), "PORT", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--node-rank", "--node_rank"), "N", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(("--local-addr", "--local_addr"), "ADDR", "rendezvous", _RENDEZVOUS),
+    TorchrunOption(
+        ("-t", "--tee"), "STD", "ignored",
+        "every rank's lines come here with a [rank N] prefix and stay in its worker's log",
+    ),
+    TorchrunOption(("-r", "--redirects"), "STD", "ignored", "the same"),
+    TorchrunOption(
+        ("--log-dir", "--log_dir"), "DIR", "ignored",
+        "the workers' logs keep each rank's output; Job.output holds it",
+    ),
+    TorchrunOption(
+        ("--local-ranks-filter", "--local_ranks_filter"), "RANKS", "ignored",
+        "every rank's lines are shown, with a [rank N] prefix",
+    ),
+    TorchrunOption(
+        ("--log-line-prefix-template", "--log_line_prefix_template"), "TEMPLATE", "ignored",
+        "lines are prefixed [rank N]",
+    ),
+    TorchrunOption(
+        ("--duplicate-stdout-filters", "--duplicate_stdout_filters"), "FILTERS", "ignored",
+        "no log files are written",
+    ),
+    TorchrunOption(
+        ("--duplicate-stderr-filters", "--duplicate_stderr_filters"), "FILTERS", "ignored",
+        "no log files are written",
+    ),
+    TorchrunOption(
+        ("--logs-specs", "--logs_specs"), "NAME", "ignored", "no log files are written"
+    ),
+    TorchrunOption(
+        ("--role",), "ROLE", "ignored", "every rank has one role: ROLE_NAME is default"
+    ),
+    TorchrunOption(
+        ("--monitor-interval", "--monitor_interval"), "SECONDS", "ignored",
+        "the job's supervisor on the scheduler hears of a rank's end at once",
+    ),
+    TorchrunOption(
+        ("--start-method", "--start_method"), "METHOD", "ignored",
+        "ranks run in Dask worker processes, already started",
+    ),
+    TorchrunOption(
+        ("--run-path", "--run_path"), None, "ignored",
+        "the script already runs inside the worker's process, as runpy.run_path would run it",
+    ),
+    TorchrunOption(
+        ("--event-log-handler", "--event_log_handler"), "HANDLER", "ignored",
+        "Job.history records the job's events",
+    ),
+    TorchrunOption(
+        ("--numa-binding", "--numa_binding"), "BINDING", "ignored",
+        "bind the Dask workers where they are started (dask-cuda does)",
+    ),
+    TorchrunOption(
+        ("--shutdown-timeout", "--shutdown_timeout"), "SECONDS", "ignored",
+        "a stopped rank gets ddp.failure-grace, then its worker is restarted",
+    ),
+    TorchrunOption(
+        ("--virtual-local-rank", "--virtual_local_rank"), None, "ignored",
+        "each rank's GPU is cuda:0 already (CUDA_VISIBLE_DEVICES rotated); LOCAL_RANK keeps "
+        "its value",
+    ),
+    TorchrunOption(
+        ("--print-completion", "--print_completion"), "SHELL", "ignored",
+        "this command has no shell completion script",
+    ),
+)  # fmt: skip
+
+_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default
+_INTERRUPTED = 130  # the exit status after a signal cancelled the job
+
+
+def torchrun_table() -> str:
+    """torchrun's options and what each does here, as the Markdown table of
+    docs/scripts.md.
+
+    >>> print(torchrun_table().splitlines()[3])
+    | `--nnodes N\\|MIN:MAX` | works | nodes (default 1); ...
+    """
+    kinds = {"used": "works", "rendezvous": "accepted", "ignored": "ignored"}
+    rows = ["| torchrun | dask_ddp | what it does here |", "|---|---|---|"]
+    for option in TORCHRUN_OPTIONS:
+        shown = ", ".join(
+            f"`{flag}`" if option.metavar is None else f"`{flag} {option.metavar}`"
+            for flag in option.flags
+        ).replace("|", "\\|")  # a cell's own bar, not the table's
+        rows.append(f"| {shown} | {kinds[option.kind]} | {option.here} |")
+    return "\n".join(rows)
 
 
 def _prog() -> str:
@@ -61,7 +214,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [-h] [-v] [--scheduler ADDR] [--nworkers N|MIN:MAX] "
         "[--max-restarts N] [--checkpoint-dir URL] [--backend {gloo,nccl}] [--dashboard] "
-        "script [args ...]",
+        "[--name NAME] [--detach] [torchrun's options] script [args ...]",
+        allow_abbrev=False,  # torchrun's options share prefixes
     )
     parser.add_argument(
         "--scheduler", metavar="ADDR", help="Dask scheduler address (default: a LocalCluster)"
@@ -76,6 +230,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-restarts",
+        "--max_restarts",
         metavar="N",
         type=int,
         default=0,
@@ -99,14 +254,54 @@ def _parser() -> argparse.ArgumentParser:
         "the scheduler's), and print its address",
     )
     parser.add_argument(
+        "--name",
+        metavar="NAME",
+        help="name the job, unique among the cluster's running jobs, to find it again with "
+        "dask_ddp.attach(client, NAME)",
+    )
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="with --scheduler: leave the job running on the cluster, print how to attach "
+        "to it, and exit",
+    )
+    parser.add_argument(
         "-v", "--verbose", action="store_true", help="show Dask's and dask_ddp's INFO logs"
     )
-    parser.add_argument("script", help="path of the training script")
+    groups = {
+        kind: parser.add_argument_group(title, text)
+        for kind, title, text in (
+            ("used", "torchrun's options that work here",
+             "torchrun's command line works as it is: replace the word torchrun and nothing\n"
+             "else (--max-restarts above is one of them too)"),
+            ("rendezvous", "torchrun's rendezvous options",
+             "accepted; the Dask cluster does the rendezvous: rank 0's worker opens the job's\n"
+             "store on a free port of its own address"),
+            ("ignored", "torchrun's other options, accepted and ignored",
+             "each is taken, with its value, and changes nothing here, because:"),
+        )
+    }  # fmt: skip
+    for option in TORCHRUN_OPTIONS:
+        if option.flags[0] == "--max-restarts":
+            continue  # one of this command's own, above
+        shown = argparse.SUPPRESS if option.kind == "rendezvous" else option.here
+        group = groups[option.kind]
+        if option.metavar is None:
+            group.add_argument(*option.flags, action="store_true", help=shown)
+        else:
+            group.add_argument(*option.flags, metavar=option.metavar, help=shown)
+    groups["rendezvous"].description += "\n  " + "\n  ".join(
+        ", ".join(f"{flag} {option.metavar or ''}".rstrip() for flag in option.flags)
+        for option in TORCHRUN_OPTIONS
+        if option.kind == "rendezvous"
+    )
+    parser.set_defaults(signals_to_handle=_HANDLED_SIGNALS)
+    parser.add_argument("script", help="path of the training script (-m: a module name)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
 
-def _parse_nworkers(value: str) -> tuple[int, int]:
+def _parse_nworkers(value: str, option: str = "--nworkers") -> tuple[int, int]:
     """``"N"`` or ``"MIN:MAX"`` (torchrun's ``--nnodes``) as ``(MIN, MAX)``.
 
     >>> _parse_nworkers("4"), _parse_nworkers("2:4")
@@ -117,20 +312,101 @@ def _parse_nworkers(value: str) -> tuple[int, int]:
     ValueError: --nworkers 3:2: MIN is more than MAX; give MIN:MAX with MIN <= MAX, as 2:3
     """
     low, _, high = value.partition(":")
+    what = "workers" if option == "--nworkers" else "nodes"
     try:
         lowest, highest = int(low), int(high or low)
     except ValueError:
         raise ValueError(
-            f"--nworkers {value}: give a number of workers (4) or a range MIN:MAX (2:4)"
+            f"{option} {value}: give a number of {what} (4) or a range MIN:MAX (2:4)"
         ) from None
     if lowest < 1:
-        raise ValueError(f"--nworkers {value}: --nworkers must be at least 1")
+        raise ValueError(f"{option} {value}: {option} must be at least 1")
     if lowest > highest:
         raise ValueError(
-            f"--nworkers {value}: MIN is more than MAX; give MIN:MAX with MIN <= MAX, as "
+            f"{option} {value}: MIN is more than MAX; give MIN:MAX with MIN <= MAX, as "
             f"{highest}:{lowest}"
         )
     return lowest, highest
+
+
+def _local_gpus() -> int:
+    """The NVIDIA GPUs this machine's processes see (``CUDA_VISIBLE_DEVICES`` first), found
+    without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [d for d in visible.split(",") if d.strip()]
+        return 0 if devices[:1] == ["-1"] else len(devices)
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _per_node(value: str, local: bool) -> int | None:
+    """torchrun's ``--nproc-per-node``: a number, or ``gpu``, ``cpu``, ``auto`` counted on
+    this machine (``local``: the command's own LocalCluster); None, with ``--scheduler``,
+    for every worker of the cluster.
+
+    >>> _per_node("2", local=True), _per_node("cpu", local=False)
+    (2, None)
+    """
+    if value.isdigit():
+        if int(value) < 1:
+            raise ValueError(f"--nproc-per-node {value}: give at least 1")
+        return int(value)
+    if value not in ("gpu", "cpu", "auto"):
+        raise ValueError(f"--nproc-per-node {value}: give a number, or gpu, cpu or auto")
+    if not local:
+        return None
+    gpus = _local_gpus()
+    if value == "gpu" and not gpus:
+        raise ValueError(
+            "--nproc-per-node gpu: this machine has no GPU (torchrun says 'Cuda is not "
+            "available'); give a number, or cpu"
+        )
+    return gpus if value in ("gpu", "auto") and gpus else os.cpu_count() or 1
+
+
+def _size(opts: argparse.Namespace) -> tuple[tuple[int, int] | None, str | None]:
+    """The job's size ``(MIN, MAX)`` (None: every worker, or 2 for a LocalCluster) from
+    ``--nworkers`` or torchrun's ``--nproc-per-node`` x ``--nnodes``, and the options that
+    said it (for messages)."""
+    torchrun = opts.nproc_per_node is not None or opts.nnodes is not None
+    if opts.nworkers is not None:
+        if torchrun:
+            raise ValueError(
+                "--nworkers counts the Dask workers the job takes, and torchrun's "
+                "--nproc-per-node and --nnodes say the same: give one or the other"
+            )
+        return _parse_nworkers(opts.nworkers), f"--nworkers {opts.nworkers}"
+    if not torchrun:
+        return None, None
+    nodes = _parse_nworkers(opts.nnodes or "1", "--nnodes")
+    per = _per_node(opts.nproc_per_node or "1", local=opts.scheduler is None)
+    said = " ".join(
+        f"{flag} {value}"
+        for flag, value in (("--nproc-per-node", opts.nproc_per_node), ("--nnodes", opts.nnodes))
+        if value is not None
+    )
+    if per is None:
+        return None, said
+    return (nodes[0] * per, nodes[1] * per), said
+
+
+def _signals(value: str) -> list[signal.Signals]:
+    """torchrun's ``--signals-to-handle``: signal names, comma-separated.
+
+    >>> [s.name for s in _signals("SIGTERM, SIGINT")]
+    ['SIGTERM', 'SIGINT']
+    """
+    names = [name.strip().upper() for name in value.split(",") if name.strip()]
+    try:
+        return [signal.Signals[n if n.startswith("SIG") else f"SIG{n}"] for n in names]
+    except KeyError as exc:
+        raise ValueError(
+            f"--signals-to-handle {value}: {exc.args[0]} is no signal; give names as "
+            f"{_HANDLED_SIGNALS}"
+        ) from None
 
 
 _OPT_IN = """\
@@ -142,28 +418,47 @@ _OPT_IN = """\
 
 def _check(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
     """Every check that needs no cluster, before anything starts: exits with status 2."""
-    from .script import ScriptSettingsError, script_settings
+    from .script import ScriptSettingsError, module_files, script_settings
 
-    opts.size = None
-    if opts.nworkers is not None:
-        try:
-            opts.size = _parse_nworkers(opts.nworkers)
-        except ValueError as exc:
-            parser.error(str(exc))
+    try:
+        opts.size, opts.size_said = _size(opts)
+        opts.signals = _signals(opts.signals_to_handle)
+    except ValueError as exc:
+        parser.error(str(exc))
     if opts.max_restarts < 0:
         parser.error(f"--max-restarts {opts.max_restarts}: give 0 or more restarts")
-    if not os.path.isfile(opts.script):
+    if opts.detach and not opts.scheduler:
+        parser.error(
+            "--detach leaves the job running on a cluster after the command exits: give "
+            "the cluster with --scheduler ADDR (the command's own LocalCluster ends with it)"
+        )
+    if opts.module and opts.no_python:
+        parser.error("-m runs a Python module and --no-python a program: give one of them")
+    opts.own_snapshots = False
+    if opts.no_python:
+        if not opts.scheduler and shutil.which(opts.script) is None:
+            parser.error(f"--no-python: no program {opts.script!r} here (not on PATH)")
+        path = None
+    elif opts.module:
+        try:
+            path = module_files(opts.script).file
+        except ModuleNotFoundError as exc:
+            parser.error(f"-m {opts.script}: {exc} (python -m {opts.script} would fail too)")
+    elif not os.path.isfile(opts.script):
         parser.error(f"no script at {opts.script!r}")
-    with open(opts.script, encoding="utf-8") as f:
-        source = f.read()
-    try:
-        opts.own_snapshots = script_settings(source, opts.script).get("resume") == "own-snapshots"
-    except ScriptSettingsError as exc:
-        parser.error(str(exc))
+    else:
+        path = opts.script
+    if path is not None and path.endswith(".py"):
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        try:
+            opts.own_snapshots = script_settings(source, path).get("resume") == "own-snapshots"
+        except ScriptSettingsError as exc:
+            parser.error(str(exc))
     elastic = opts.size is not None and opts.size[0] < opts.size[1]
     if elastic and opts.checkpoint_dir is None and not opts.own_snapshots:
         parser.error(
-            f"--nworkers {opts.nworkers} resizes the job, and each resize restarts the script, "
+            f"{opts.size_said} resizes the job, and each resize restarts the script, "
             "which must then resume where it was. Pass --checkpoint-dir URL (a folder every "
             "worker reaches; the script saves with dask_ddp.save_checkpoint() and resumes with "
             "dask_ddp.get_checkpoint()), or, if the script resumes from snapshot files of its "
@@ -183,6 +478,65 @@ def _say(text: str) -> None:
     print(f"dask_ddp: {text}", file=sys.stderr, flush=True)
 
 
+class _Interrupted(BaseException):
+    """A signal the command handles came; raised in the main thread by its handler (a
+    BaseException, as KeyboardInterrupt is, so that no ``except Exception`` takes it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class _Signals:
+    """The signals that stop the command (torchrun's ``--signals-to-handle``): the first
+    raises :class:`_Interrupted` in the main thread, where the command cancels its job; a
+    second one, while that is under way, raises again and the command leaves at once.
+    Held (:meth:`hold`), a first signal waits until the hold ends: the job is launched
+    whole, so that it can be cancelled."""
+
+    def __init__(self, signums: Sequence[int]) -> None:
+        self.signums = list(signums)
+        self.received: int | None = None
+        self._holding = False
+        self._saved: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in self.signums:
+            self._saved[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+        self._saved.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        if first and self._holding:
+            return
+        raise _Interrupted(signum)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self.received is not None:
+            raise _Interrupted(self.received)
+
+    def ignore_from_now(self) -> None:
+        """The job is over: a signal now changes nothing."""
+        self._holding = True
+        self.received = self.received or -1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dask_ddp`` and the ``dask-ddp`` command."""
     parser = _parser()
@@ -195,9 +549,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", handlers=[handler]
     )
-    if opts.scheduler:
-        return _run_on_scheduler(opts)
-    return _run_on_local_cluster(opts)
+    _log_torchrun_options(opts)
+    signals = _Signals(opts.signals)
+    signals.install()
+    try:
+        if opts.scheduler:
+            return _run_on_scheduler(opts, signals)
+        return _run_on_local_cluster(opts, signals)
+    finally:
+        signals.restore()
+
+
+def _log_torchrun_options(opts: argparse.Namespace) -> None:
+    """Say once, at INFO (``-v``), which of torchrun's options given change nothing here."""
+    log = logging.getLogger("dask_ddp")
+    given = {
+        kind: [
+            o.flags[-1] if len(o.flags[0]) == 2 else o.flags[0]  # --tee, not -t
+            for o in TORCHRUN_OPTIONS
+            if o.kind == kind and _given(opts, o)
+        ]
+        for kind in ("rendezvous", "ignored")
+    }
+    if given["rendezvous"]:
+        log.info(
+            "torchrun's %s: the Dask cluster does the rendezvous (rank 0's worker opens the "
+            "job's store on a free port of its own address)", ", ".join(given["rendezvous"]),
+        )  # fmt: skip
+    if given["ignored"]:
+        log.info(
+            "torchrun's %s: accepted and ignored (see python -m dask_ddp --help)",
+            ", ".join(given["ignored"]),
+        )
+    if opts.size is None and opts.size_said and opts.scheduler:
+        log.info("%s with --scheduler: one rank on every worker of the cluster", opts.size_said)
+
+
+def _given(opts: argparse.Namespace, option: TorchrunOption) -> bool:
+    value = getattr(opts, option.flags[-1].lstrip("-").replace("-", "_"))
+    return bool(value) if option.metavar is None else value is not None
 
 
 def _quiet_job_failure() -> None:
@@ -217,7 +607,7 @@ def _import_dispatch() -> threading.Thread:
     return thread
 
 
-def _run_on_scheduler(opts: argparse.Namespace) -> int:
+def _run_on_scheduler(opts: argparse.Namespace, signals: _Signals) -> int:
     importing = _import_dispatch()
     from distributed import Client
 
@@ -226,18 +616,25 @@ def _run_on_scheduler(opts: argparse.Namespace) -> int:
     except (OSError, TimeoutError) as exc:
         _say(f"cannot reach the scheduler {opts.scheduler}: {exc}")
         return 1
+    except _Interrupted as stop:
+        _say(f"{stop.name}: stopped before the job started")
+        return _INTERRUPTED
     scratch = tempfile.mkdtemp(prefix="dask-ddp-")
     try:
         if opts.dashboard:
             _say(f"Dask dashboard: {client.dashboard_link}")
         importing.join()
-        return _run_job(client, opts, scratch, own_cluster=False)
+        return _run_job(client, opts, scratch, signals, own_cluster=False)
+    except _Interrupted as stop:
+        _say(f"{stop.name}: stopped before the job started")
+        return _INTERRUPTED
     finally:
+        signals.ignore_from_now()
         client.close(timeout=2)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run_on_local_cluster(opts: argparse.Namespace) -> int:
+def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
     n = opts.size[1] if opts.size else 2
     log = logging.getLogger("dask_ddp")
     log.info("no --scheduler given: starting a LocalCluster of %d worker processes", n)
@@ -261,8 +658,14 @@ def _run_on_local_cluster(opts: argparse.Namespace) -> int:
             _say(f"Dask dashboard: {cluster.dashboard_link}")
         client = Client(cluster)
         importing.join()
-        code = _run_job(client, opts, scratch, own_cluster=True)
+        code = _run_job(client, opts, scratch, signals, own_cluster=True)
+    except _Interrupted as stop:
+        _say(f"{stop.name}: stopped before the job started")
+        code = _INTERRUPTED
+    except Exception:  # shown before _exit_now ends the process, which would hide it
+        log.exception("dask_ddp: the command failed")
     finally:
+        signals.ignore_from_now()
         _exit_now(code, scratch)
     return code  # not reached: _exit_now does not return
 
@@ -289,24 +692,41 @@ def _exit_now(code: int, scratch: str) -> None:
     os._exit(code)
 
 
-def _wait_for_workers(client: Any, opts: argparse.Namespace) -> bool:
-    """Wait for the workers the job needs to start (MIN of a range); False after 120 s."""
-    if opts.size is None:
-        return True
-    need = opts.size[0]
-    have = len(client.scheduler_info(n_workers=-1)["workers"])
-    if have < need:
-        _say(f"waiting for {need} workers (the cluster has {have})")
+def _wait_for_own_workers(client: Any, opts: argparse.Namespace) -> bool:
+    """Wait until the command's own LocalCluster has the workers the job needs (MIN of a
+    range), up to ``ddp.scale-timeout``; False if they did not come."""
+    from dask.utils import format_time, parse_timedelta
+
+    from .config import get
+
+    need = opts.size[0] if opts.size else 1
+    limit = parse_timedelta(get("ddp.scale-timeout"), "s")
     try:
-        client.wait_for_workers(need, timeout="120s")
+        client.wait_for_workers(need, timeout=limit)
     except TimeoutError:
         have = len(client.scheduler_info(n_workers=-1)["workers"])
         _say(
-            f"--nworkers {opts.nworkers} but the cluster has {have} workers after 120 s; "
-            "start more workers or ask for fewer"
+            f"the LocalCluster started {have} of {need} workers within {format_time(limit)} "
+            "(ddp.scale-timeout); see the workers' errors above"
         )
         return False
     return True
+
+
+def _say_waiting(client: Any, opts: argparse.Namespace) -> None:
+    """With --scheduler, a cluster that has fewer workers than the job needs: say that the
+    job waits for them (the job asks an adaptive cluster for them) and how long."""
+    if opts.size is None:
+        return
+    need = opts.size[0]
+    have = len(client.scheduler_info(n_workers=-1)["workers"])
+    if have < need:
+        from .config import get
+
+        _say(
+            f"waiting for {need} workers (the cluster has {have}; an adaptive cluster is "
+            f"asked for them) up to ddp.scale-timeout, {get('ddp.scale-timeout')}"
+        )
 
 
 def _outcome(job: Any, seconds: float) -> str:
@@ -332,16 +752,31 @@ def _outcome(job: Any, seconds: float) -> str:
     return text
 
 
-def _run_job(client: Any, opts: argparse.Namespace, scratch: str, *, own_cluster: bool) -> int:
+def _attach_hint(client: Any, job: Any) -> str:
+    """How to follow a detached job, in one line."""
+    address = client.scheduler.address
+    return (
+        f"job {job.job_id} ({job.name}) runs detached on {address}; follow it with "
+        f'dask_ddp.attach(Client("{address}"), "{job.name if job.name else job.job_id}") '
+        "(dask_ddp.jobs(client) lists the cluster's jobs)"
+    )
+
+
+def _run_job(
+    client: Any, opts: argparse.Namespace, scratch: str, signals: _Signals, *, own_cluster: bool
+) -> int:
     import time
 
-    from .dispatch import launch_script
+    from .dispatch import _launch_script
     from .errors import DaskDDPError
 
     log = logging.getLogger("dask_ddp")
     _quiet_job_failure()
-    if not _wait_for_workers(client, opts):
-        return 1
+    if own_cluster:
+        if not _wait_for_own_workers(client, opts):
+            return 1
+    else:
+        _say_waiting(client, opts)
     lowest, highest = opts.size or (None, None)
     checkpoint_dir = opts.checkpoint_dir
     if lowest != highest and checkpoint_dir is None:
@@ -349,26 +784,41 @@ def _run_job(client: Any, opts: argparse.Namespace, scratch: str, *, own_cluster
         # checkpoint list goes to a folder of the command's, removed when it exits.
         checkpoint_dir = os.path.join(scratch, "checkpoints")
     started = time.monotonic()
+    job = None
     try:
-        job = launch_script(
-            client,
-            opts.script,
-            opts.args,
-            workers=highest,
-            min_workers=lowest if lowest != highest else None,
-            backend=opts.backend,
-            max_restarts=opts.max_restarts,
-            checkpoint_dir=checkpoint_dir,
-            # A LocalCluster's workers print to this terminal themselves.
-            on_output=None if own_cluster else _print_line,
-        )
-    except (DaskDDPError, SyntaxError) as exc:
-        _say(str(exc))
-        return 1
-    log.info("job %s: %d ranks running %s", job.job_id, job.world_size, opts.script)
-    try:
+        try:
+            with signals.hold():  # a signal now cancels the job, once it is launched whole
+                job = _launch_script(
+                    client,
+                    opts.script,
+                    opts.args,
+                    module=opts.module,
+                    no_python=opts.no_python,
+                    # With --scheduler, a job of more workers than the cluster has waits for
+                    # them up to ddp.scale-timeout, asking an adaptive cluster for them.
+                    cluster_may_grow=not own_cluster,
+                    workers=highest,
+                    min_workers=lowest if lowest != highest else None,
+                    backend=opts.backend,
+                    max_restarts=opts.max_restarts,
+                    checkpoint_dir=checkpoint_dir,
+                    # A LocalCluster's workers print to this terminal themselves.
+                    on_output=None if own_cluster or opts.detach else _print_line,
+                    name=opts.name,
+                    detach=opts.detach,
+                )
+        except (DaskDDPError, SyntaxError, ImportError) as exc:
+            _say(str(exc))
+            return 1
+        log.info("job %s (%s): %s", job.job_id, opts.script, job.state.value)
+        if opts.detach:
+            _say(_attach_hint(client, job))
+            return 0
         job.result()
+    except _Interrupted as stop:
+        return _cancel(job, stop, own_cluster=own_cluster)
     except DaskDDPError as exc:
+        signals.ignore_from_now()
         shown = str(exc)
         _say(shown)
         rank_traceback = getattr(exc, "rank_traceback", "")
@@ -380,8 +830,35 @@ def _run_job(client: Any, opts: argparse.Namespace, scratch: str, *, own_cluster
         if not job.wait_stopped(timeout=60):
             log.warning("job %s: its ranks were still being stopped at exit", job.job_id)
         return 1
+    signals.ignore_from_now()
     _say(_outcome(job, time.monotonic() - started))
     return 0
+
+
+def _cancel(job: Any, stop: _Interrupted, *, own_cluster: bool) -> int:
+    """A signal came while the job ran: cancel it, as torchrun stops its ranks, and say so
+    in one line; the command then exits 130."""
+    from .errors import DaskDDPError
+
+    if job is None:
+        _say(f"{stop.name}: stopped before the job started")
+        return _INTERRUPTED
+    if own_cluster:  # its ranks end with the command's LocalCluster, at once
+        _say(f"{stop.name}: stopped job {job.job_id} and the command's LocalCluster")
+        return _INTERRUPTED
+    try:
+        job.cancel(f"{stop.name} to the command that launched it")
+    except _Interrupted as again:
+        _say(
+            f"{again.name} again: left job {job.job_id} being cancelled on the cluster "
+            "without waiting for its ranks to stop"
+        )
+        return _INTERRUPTED
+    except DaskDDPError as exc:
+        _say(f"{stop.name}: job {job.job_id} could not be cancelled: {exc}")
+        return _INTERRUPTED
+    _say(f"{stop.name}: job {job.job_id} cancelled; its ranks stopped and their workers are free")
+    return _INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -108,8 +108,11 @@ def _or_blank(value: Any, form: str | None = None) -> str:
     return "" if value is None else form.format(value) if form else view.fmt(value)
 
 
-def list_html(plugin: Holder, base: str) -> str:
-    """The table of jobs (``base``: the page's path, ``/ddp/`` under the prefix)."""
+def list_html(plugin: Holder, base: str = "") -> str:
+    """The table of jobs. Its links are relative (``base``: the way from the page that shows
+    it to ``/ddp/``, ``""`` on that page itself), so that they work wherever a proxy serves
+    the dashboard (dask-gateway's ``/clusters/<name>/``, JupyterHub's
+    ``/user/<name>/proxy/8787/``)."""
     table = "".join(
         f"<tr><td><a href='{base}jobs/{html.escape(r['job'])}'>{html.escape(r['job'])}</a></td>"
         f"<td>{html.escape(r['name'] or '')}</td>"
@@ -129,18 +132,19 @@ def list_html(plugin: Holder, base: str) -> str:
     )
 
 
-def _job_html(job: dict[str, Any], base: str) -> str:
+def _job_html(job: dict[str, Any]) -> str:
+    """One job, drawn on its page ``/ddp/jobs/<id>`` (so ``../`` is the list)."""
     final = " data-final='1'" if job["state"] in FINAL_STATES else ""
     who = html.escape(f"launched by {job.get('launched_by') or '?'}")
     return (
-        f"<p{final}><a href='{base}'>all jobs</a> · {who} · attempts {job.get('attempts', 1)}"
+        f"<p{final}><a href='../'>all jobs</a> · {who} · attempts {job.get('attempts', 1)}"
         f"</p>{view.render_html(job)}"
     )
 
 
 class _Handler(web.RequestHandler):
-    def initialize(self, plugin: Holder, base: str) -> None:
-        self.plugin, self.base = plugin, base
+    def initialize(self, plugin: Holder) -> None:
+        self.plugin = plugin
 
     def _job(self, job_id: str) -> dict[str, Any] | None:
         job = self.plugin.jobs.get(job_id)
@@ -158,12 +162,12 @@ class _Handler(web.RequestHandler):
 
 class _ListPage(_Handler):
     def get(self) -> None:
-        self.write(_page("dask-ddp jobs", list_html(self.plugin, self.base), self.base + "list"))
+        self.write(_page("dask-ddp jobs", list_html(self.plugin), "list"))
 
 
 class _ListPart(_Handler):
     def get(self) -> None:
-        self.write(list_html(self.plugin, self.base))
+        self.write(list_html(self.plugin))
 
 
 class _JobPage(_Handler):
@@ -172,8 +176,8 @@ class _JobPage(_Handler):
         if job is None:
             self.write(_page("no such job", f"<p>{html.escape(self._missing(job_id))}</p>"))
             return
-        url = f"{self.base}jobs/{job_id}/view"
-        self.write(_page(f"dask-ddp job {job_id}", _job_html(job, self.base), url))
+        url = f"{job_id}/view"  # relative to /ddp/jobs/<id>, as every link here
+        self.write(_page(f"dask-ddp job {job_id}", _job_html(job), url))
 
 
 class _JobPart(_Handler):
@@ -182,7 +186,7 @@ class _JobPart(_Handler):
         self.write(
             f"<p data-final='1'>{html.escape(self._missing(job_id))}</p>"
             if job is None
-            else _job_html(job, self.base)
+            else _job_html(job)
         )
 
 
@@ -201,11 +205,11 @@ class _JobApi(_Handler):
 
 def _application(plugin: Holder, prefix: str) -> web.Application:
     base = prefix + "ddp/"
-    kw = {"plugin": plugin, "base": base}
+    kw = {"plugin": plugin}
     job = r"([0-9A-Za-z_.-]+)"
     return web.Application(
         [
-            (base.rstrip("/"), web.RedirectHandler, {"url": base}),
+            (base.rstrip("/"), web.RedirectHandler, {"url": "ddp/"}),  # relative, as links
             (base, _ListPage, kw),
             (base + "list", _ListPart, kw),
             (base + "jobs/" + job, _JobPage, kw),

@@ -336,6 +336,7 @@ class Entry:
     HELD_REPLICAS = "dask_ddp._replicas:held_for"
     DROP_REPLICAS = "dask_ddp._replicas:drop_job"
     DROP_HELD = "dask_ddp.events:drop_held"
+    TAKE_BLOB = "dask_ddp.events:take_blob"  # a large message, through the scheduler
     BLOB_HANDLER = "dask_ddp.events:BlobHandler"  # a WorkerPlugin class
     REPLICA_PLUGIN = "dask_ddp._replicas:ReplicaPlugin"  # a WorkerPlugin class
     INSTALL_PLUGIN = "dask_ddp._plugin:install_on"  # async, on the scheduler

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from distributed import Client
 
 from . import _dask_internals, _topics
 from ._model import JobModel
-from ._protocol import BLOB_HANDLER, decode, job_topic
+from ._protocol import BLOB_HANDLER, Entry, call, decode, job_topic
 from .errors import ChannelError
 
 logger = logging.getLogger(__name__)
@@ -100,18 +101,52 @@ class RankStream:
         return missing, ready
 
 
+# Clients that reach the workers only through the scheduler: a proxy stands between them
+# (dask-gateway's, for notebooks outside the cluster's network), or the client was made
+# with direct_to_workers=False, or a worker could not be reached from it once.
+_through_scheduler: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _reaches_workers(client: Client) -> bool:
+    if client in _through_scheduler or client.direct_to_workers is False:
+        return False
+    return not str(client.scheduler.address).startswith("gateway://")
+
+
 async def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
-    """Fetch a message sent by reference, directly from the rank's worker (on the client's
-    event loop). The worker forgets it as it hands it over. Never touches the scheduler.
+    """Fetch a message sent by reference from the rank's worker (on the client's event
+    loop), which forgets it as it hands it over.
+
+    Directly from the worker, without the scheduler, where this client reaches the
+    workers; through the scheduler (``Client.run``, as Dask's own ``gather`` goes for a
+    client that does not connect to workers) where a proxy stands between them
+    (``gateway://``), the client was made with ``direct_to_workers=False``, or a worker
+    could not be reached once (then for the rest of the client's life).
 
     Raises
     ------
     ChannelError
         The worker no longer holds it (it restarted, or the job was forgotten).
     OSError
-        The worker cannot be reached.
+        The worker cannot be reached, even through the scheduler.
     """
-    reply = await _dask_internals.call_worker(client, ref["worker"], BLOB_HANDLER, key=ref["key"])
+    reply = None
+    if _reaches_workers(client):
+        try:
+            reply = await _dask_internals.call_worker(
+                client, ref["worker"], BLOB_HANDLER, key=ref["key"]
+            )
+        except OSError as exc:
+            logger.info(
+                "dask-ddp: %s cannot be reached from this client (%s): large rank messages "
+                "come through the scheduler from now on", ref["worker"], exc,
+            )  # fmt: skip
+            _through_scheduler.add(client)
+    if reply is None:
+        replies = await client.run(
+            call, Entry.TAKE_BLOB, ref["key"], workers=[ref["worker"]], asynchronous=True
+        )
+        reply = replies[ref["worker"]]
     if reply.get("status") != "OK":
         job, rank, _ = ref["key"].split("/")
         raise ChannelError(int(rank), job, f"{ref['worker']} no longer holds {ref['key']}")

@@ -8,8 +8,9 @@ thread of its own (gloo's teardown takes about 20 ms); the next rank on the work
 for it.
 
 Rendezvous: the probe opens the job's ``TCPStore`` on rank 0's worker (port 0, so the OS
-picks a free port) before any rank task is submitted. The store therefore listens before
-any rank connects, and two jobs never share a port.
+picks a free port; on the worker's own address, not every interface) before any rank task
+is submitted. The store therefore listens before any rank connects, and two jobs never
+share a port.
 """
 
 from __future__ import annotations
@@ -129,11 +130,45 @@ def _gpu_count() -> int:
 def _open_store(job_id: str, host: str, timeout: float, slot: ProcessSlot) -> int:
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
-    )
+    fd, port = _listen_on(host)
+    try:
+        store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=timeout), master_listen_fd=fd,
+        )  # fmt: skip
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
     slot.put_store(job_id, store)
     return store.port
+
+
+def _listen_on(host: str) -> tuple[int | None, int]:
+    """A socket listening on the worker's own address ``host``, on a port the OS picks, for
+    the store to take (its file descriptor, and the port). A store left to itself listens
+    on every interface of the machine. ``(None, 0)`` where ``host`` is not an address of
+    this machine (a worker that advertises another, behind NAT): the store then listens
+    on all of them, as torchrun's does."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(address)
+            sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as exc:
+        logger.info(
+            "dask-ddp: the job's store listens on every interface: it cannot bind to the "
+            "worker's address %s (%s)", host, exc,
+        )  # fmt: skip
+        return None, 0
+    port = sock.getsockname()[1]
+    return sock.detach(), port
 
 
 async def probe_worker(

@@ -54,7 +54,7 @@ def _panel_html(scheduler: Any, base: str) -> str:
 def _panel(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
     from bokeh.models import Div
 
-    base = extra.get("prefix", "/") + "ddp/"
+    base = "ddp/"  # relative to the panel's own page, which is beside /ddp/ under any prefix
     div = Div(text=_panel_html(scheduler, base), sizing_mode="stretch_both")
 
     def update() -> None:

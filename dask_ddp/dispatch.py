@@ -63,6 +63,8 @@ def job_name(fn: Callable[..., Any], args: tuple) -> str:
     """
     if fn is script.run_script:
         return os.path.basename(args[1])
+    if fn is script.run_module or fn is script.run_program:
+        return os.path.basename(args[0])
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
@@ -301,11 +303,11 @@ def _launch(
     args: Sequence[Any],
     kwargs: Mapping[str, Any] | None,
     *,
-    workers: int | Sequence[str] | None,
-    backend: str | None,
-    timeout: TimeoutLike | None,
     pass_local_rank: bool,
     init_process_group: bool,
+    workers: int | Sequence[str] | None = None,
+    backend: str | None = None,
+    timeout: TimeoutLike | None = None,
     min_workers: int | None = None,
     on_report: Callable[[MetricRecord], Any] | None = None,
     on_output: Callable[[OutputLine], Any] | None = None,
@@ -318,6 +320,7 @@ def _launch(
     total_steps: int | None = None,
     name: str | None = None,
     detach: bool = False,
+    adaptive: bool | None = None,
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
@@ -362,7 +365,7 @@ def _launch(
         detach=detach,
         datasets=tuple(persisted.specs) if persisted is not None else (),
         datasets_name=persisted.name if persisted is not None else None,
-        adaptive=_dask_internals.is_adaptive(client),
+        adaptive=_dask_internals.is_adaptive(client) if adaptive is None else adaptive,
     )
     model = JobModel(job_id, spec.name)
     model.total_steps = total_steps
@@ -385,16 +388,21 @@ def launch_script(
     path: str | os.PathLike[str],
     args: Sequence[str] = (),
     *,
+    module: bool = False,
+    no_python: bool = False,
     workers: int | Sequence[str] | None = None,
     min_workers: int | None = None,
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
+    on_report: Callable[[MetricRecord], Any] | None = None,
     on_output: Callable[[OutputLine], Any] | None = None,
     max_restarts: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     checkpoint_mode: str | None = None,
+    name: str | None = None,
+    detach: bool = False,
 ) -> Job:
     """Run a torchrun-style script as ``__main__`` on each rank, as ``python path args``.
 
@@ -410,10 +418,46 @@ def launch_script(
     script prints reaches the client line by line (:attr:`Job.output`, and ``on_output``
     for each line).
 
-    ``workers``, ``min_workers``, ``backend``, ``timeout``, ``max_restarts``,
-    ``checkpoint_dir``, ``keep_last``, ``storage_options`` and ``checkpoint_mode`` mean
-    what they mean for :func:`launch`: a restarted script runs again from its start, and
-    resumes from :func:`dask_ddp.get_checkpoint` or from snapshot files of its own.
+    Parameters
+    ----------
+    client : distributed.Client
+        A synchronous client of the cluster to train on.
+    path : str or os.PathLike
+        The script's path; with ``module=True`` a module name, with ``no_python=True`` a
+        program.
+    args : sequence of str, optional
+        The script's command-line arguments.
+    module : bool, optional
+        ``path`` is a module, run as ``python -m path args`` (torchrun's ``-m``): found
+        from this process's working directory, which is then first on the ranks'
+        ``sys.path``; a module under it is shipped as a script's folder is, an installed
+        one must be installed on the workers.
+    no_python : bool, optional
+        ``path`` is a program, not Python (torchrun's ``--no-python``): each rank runs
+        ``path args`` as a process of its own with torchrun's environment, on the worker's
+        machine (it must be there); its output lines are the rank's, a non-zero exit status
+        fails the rank, and it is stopped when the rank is.
+    workers, min_workers, backend, timeout, max_restarts : optional
+        As for :func:`launch`. A restarted script runs again from its start.
+    checkpoint_dir, keep_last, storage_options, checkpoint_mode : optional
+        As for :func:`launch`: the script resumes from :func:`dask_ddp.get_checkpoint`, or
+        from snapshot files of its own.
+    on_report : callable, optional
+        Called with each :class:`~dask_ddp.MetricRecord` the script reports
+        (:func:`dask_ddp.report`, or a library's dask-ddp logger), as for :func:`launch`.
+    on_output : callable, optional
+        Called with each :class:`~dask_ddp.OutputLine` the script prints, as for
+        :func:`launch`.
+    name : str, optional
+        A name for the job, unique among the cluster's running jobs, to find it again with
+        ``dask_ddp.attach(client, name)``. Default: the script's file name (not unique).
+    detach : bool, optional
+        Run to the end with no client at all (see :func:`launch`).
+
+    Returns
+    -------
+    Job
+        As :func:`launch` returns.
 
     Raises
     ------
@@ -422,6 +466,10 @@ def launch_script(
         workers do not see them at that path.
     SyntaxError
         The script, or a module it imports from its folder, does not compile.
+    ModuleNotFoundError
+        ``module=True`` and ``python -m path`` would not find the module here either.
+    ValueError
+        Both ``module=True`` and ``no_python=True``.
 
     And what :func:`launch` raises.
 
@@ -431,11 +479,53 @@ def launch_script(
     [0, 0]
     >>> dask_ddp.launch_script(client, "train.py", max_restarts=3,
     ...                        checkpoint_dir="s3://bucket/run1")  # doctest: +SKIP
+    >>> job = dask_ddp.launch_script(client, "train.py", name="nightly", detach=True)
+    ...                                                            # doctest: +SKIP
+    >>> dask_ddp.launch_script(client, "trainer.main", module=True)  # doctest: +SKIP
     """
+    return _launch_script(
+        client, path, args, module=module, no_python=no_python, workers=workers,
+        min_workers=min_workers, backend=backend, timeout=timeout, on_report=on_report,
+        on_output=on_output, max_restarts=max_restarts, checkpoint_dir=checkpoint_dir,
+        keep_last=keep_last, storage_options=storage_options, checkpoint_mode=checkpoint_mode,
+        name=name, detach=detach,
+    )  # fmt: skip
+
+
+def _launch_script(
+    client: Client,
+    path: str | os.PathLike[str],
+    args: Sequence[str],
+    *,
+    module: bool,
+    no_python: bool,
+    cluster_may_grow: bool | None = None,
+    **options: Any,
+) -> Job:
+    """:func:`launch_script`; ``cluster_may_grow=True`` (the command line with
+    ``--scheduler``): a job of more workers than the cluster has waits for them (and asks an
+    adaptive cluster for them) up to ``ddp.scale-timeout``, as on a cluster object that
+    adapts."""
+    if module and no_python:
+        raise ValueError(
+            "module=True runs a Python module and no_python=True a program that is not "
+            "Python: pass one of them (as torchrun refuses -m with --no-python)"
+        )
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
-    files = script.script_files(path)
+    argv = [str(a) for a in args]
+    if no_python:
+        return _launch(
+            client, script.run_program, (path, argv), None, pass_local_rank=False,
+            init_process_group=False, adaptive=cluster_may_grow, **options,
+        )  # fmt: skip
+    if module:
+        files = script.module_files(path)
+        fn, fn_args = script.run_module, (path, argv)
+    else:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        files = script.script_files(path)
+        fn, fn_args = script.run_script, (source, path, argv)
     limit = config.script_modules_limit()
     sizes = {name: len(data) for name, data in files.modules.items()}
     if sum(sizes.values()) > limit:
@@ -445,23 +535,9 @@ def launch_script(
             raise script.ScriptModulesTooLargeError(path, sizes, limit)
         files = files.without_modules()
     job = _launch(
-        client,
-        script.run_script,
-        (source, path, [str(a) for a in args]),
-        {"files": files},
-        workers=workers,
-        min_workers=min_workers,
-        backend=backend,
-        timeout=timeout,
-        pass_local_rank=False,
-        on_output=on_output,
-        init_process_group=False,
-        max_restarts=max_restarts,
-        checkpoint_dir=checkpoint_dir,
-        keep_last=keep_last,
-        storage_options=storage_options,
-        checkpoint_mode=checkpoint_mode,
-    )
+        client, fn, fn_args, {"files": files}, pass_local_rank=False,
+        init_process_group=False, adaptive=cluster_may_grow, **options,
+    )  # fmt: skip
     if files.modules:
         logger.info(
             "job %s: shipped %s (%d bytes), which %s imports from %s, for workers that do "

@@ -369,6 +369,14 @@ def blobs_held(job_id: str | None = None) -> int:
         return sum(1 for k in _blobs if job_id is None or k.startswith(f"{job_id}/"))
 
 
+def take_blob(key: str, dask_worker: Any = None) -> dict[str, Any]:
+    """Run on a worker (``Client.run``, through the scheduler): hand over one large message
+    and forget it."""
+    with _blobs_lock:
+        msgs = _blobs.pop(key, None)
+    return {"status": "missing"} if msgs is None else {"status": "OK", "msgs": msgs}
+
+
 def drop_held(job_id: str, dask_worker: Any = None) -> int:
     """Run on a worker (``Client.run``): release every large message of ``job_id`` (all its
     attempts) that no client fetched; the job was forgotten."""

@@ -1,9 +1,12 @@
 """torchrun-style scripts as ranks: the script as ``__main__``, its folder importable.
 
 On the client, :func:`script_files` finds what the script imports from its own folder
-(the way :mod:`modulefinder` reads imports, without running anything) and
+(the way :mod:`modulefinder` reads imports, without running anything), :func:`module_files`
+does the same for a module run as ``python -m NAME`` (torchrun's ``-m``), and
 :func:`script_settings` reads what the script says about itself in its inline metadata
-(PEP 723, a ``[tool.dask-ddp]`` table). On each rank, :func:`run_script` runs the script as
+(PEP 723, a ``[tool.dask-ddp]`` table). On each rank, :func:`run_module` runs a module as
+``python -m`` would, :func:`run_program` runs a program that is not Python (torchrun's
+``--no-python``) with the rank's environment, and :func:`run_script` runs the script as
 ``python script.py`` would:
 
 - a fresh module object is ``sys.modules["__main__"]`` while it runs, so pickle finds the
@@ -24,13 +27,17 @@ import builtins
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import linecache
 import modulefinder
 import os
 import re
+import runpy
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -42,6 +49,9 @@ __all__ = [
     "ScriptFiles",
     "ScriptModulesTooLargeError",
     "ScriptSettingsError",
+    "module_files",
+    "run_module",
+    "run_program",
     "run_script",
     "script_files",
     "script_settings",
@@ -142,6 +152,52 @@ def script_files(path: str) -> ScriptFiles:
         with open(where, "rb") as f:
             modules[os.path.relpath(where, folder)] = f.read()
     return ScriptFiles(file, folder, modules)
+
+
+def module_files(name: str, folder: str | None = None) -> ScriptFiles:
+    """Find the module ``python -m NAME`` would run from ``folder`` (default: the working
+    directory, first on its ``sys.path``), and the modules it imports from there; nothing of
+    the module itself is run (its parent packages are imported to find it, as ``python -m``
+    does).
+
+    ``file`` is the module's file and ``folder`` the working directory. A module under that
+    folder is shipped with what it imports from there (and its packages' ``__init__``
+    files); an installed one (outside it) must be installed on the workers too, as on each
+    node under torchrun.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        ``python -m NAME`` would not find it either.
+    """
+    folder = os.path.realpath(folder or os.getcwd())
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{name}.__main__")  # a package: its __main__
+    except (ImportError, ValueError) as exc:
+        raise ModuleNotFoundError(f"No module named {name!r} ({exc})", name=name) from exc
+    finally:
+        if added:
+            sys.path.remove(folder)
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    file = spec.origin
+    if not os.path.realpath(file).startswith(folder + os.sep):
+        return ScriptFiles(file, folder)  # installed: the workers import their own copy
+    # By its name: its packages' __init__ files come too, and relative imports resolve.
+    finder = modulefinder.ModuleFinder(path=[folder])
+    finder.import_hook(spec.name)
+    modules = {}
+    for found in finder.modules.values():
+        where = found.__file__
+        if where and os.path.realpath(where).startswith(folder + os.sep):
+            with open(where, "rb") as f:
+                modules[os.path.relpath(os.path.realpath(where), folder)] = f.read()
+    return ScriptFiles(os.path.abspath(file), folder, modules)
 
 
 def sees_modules(folder: str, digests: Mapping[str, str], dask_worker: Any = None) -> bool:
@@ -248,3 +304,81 @@ def run_script(
             if exc.code not in (None, 0):
                 raise ScriptExitError(path, exc.code) from None
     return 0
+
+
+def run_module(name: str, args: list[str], *, files: ScriptFiles) -> int:
+    """Run the module ``name`` as ``python -m name args`` would (torchrun's ``-m``), with
+    ``files.folder`` (the client's working directory, or a copy of the modules shipped from
+    there) first on ``sys.path``; return its exit code (0).
+
+    A non-zero ``sys.exit`` raises :class:`ScriptExitError`.
+    """
+    with _process_state([files.file, *args]), _importable(files):
+        try:
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise ScriptExitError(name, exc.code) from None
+    return 0
+
+
+def run_program(program: str, args: list[str]) -> int:
+    """Run ``program args`` as a process of its own (torchrun's ``--no-python``: a program
+    that is not Python, or a wrapper that starts one) with the rank's environment, which
+    has torchrun's variables; its output lines are the rank's. Returns 0.
+
+    The program is stopped (SIGTERM, then SIGKILL after 5 s) when the rank is: the job was
+    cancelled or another rank failed.
+
+    Raises
+    ------
+    ScriptExitError
+        It exited with a non-zero status.
+    FileNotFoundError
+        There is no such program on this worker.
+    """
+    proc = subprocess.Popen(
+        [program, *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    )
+    relays = [
+        threading.Thread(target=_relay, args=(stream, name), daemon=True)
+        for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+    ]
+    for relay in relays:
+        relay.start()
+    try:
+        while True:
+            try:
+                # In steps: the wait is in C, where the rank's stop would not reach it.
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for relay in relays:
+            relay.join()
+    if code != 0:
+        raise ScriptExitError(program, code)
+    return 0
+
+
+def _relay(stream: Any, name: str) -> None:
+    """Write each line of a child's ``stream`` to this process's ``sys.<name>``, where the
+    rank's output is forwarded from."""
+    for line in stream:
+        target = getattr(sys, name)
+        target.write(line)
+        target.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from distributed import Client
+from distributed import Client, Event, LocalCluster
+
+import dask_ddp
+from conftest import DaskProcesses, Output
 
 # How long the command may take to exit after the last rank finished or failed (issue: 2 s),
 # measured from the moment the script says so to the command's exit, plus the interpreter's
@@ -268,3 +272,178 @@ def test_a_script_that_keeps_its_own_snapshots_runs_elastic_without_a_checkpoint
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("WORLD 2 2") == 2, done.stdout  # at its most: 2 workers free
     _assert_group_empty(pgid)
+
+
+# -- signals, --detach, and waiting for workers with --scheduler ---------------------------
+TRAINING = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    sys.stdout.write(f"TRAINING {os.environ['RANK']}\\n")  # one write: ranks may share stdout
+    sys.stdout.flush()
+    while True:  # a long training: a collective, then some work, step after step
+        dist.barrier()
+        time.sleep(0.05)
+    """
+)
+
+
+def _command(*args: str, env: dict[str, str] | None = None) -> Output:
+    """The command in a session of its own, its output read as it comes."""
+    return Output([sys.executable, "-m", "dask_ddp", *args], env, start_new_session=True)
+
+
+def _said(command: Output) -> list[str]:
+    """The command's own lines."""
+    return [line.rstrip("\n") for line in command.lines if line.startswith("dask_ddp:")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_cancels_the_job_and_its_workers_are_free_at_once(
+    sig: signal.Signals, dask_processes: DaskProcesses, tmp_path: Path
+) -> None:
+    script = tmp_path / "long.py"
+    script.write_text(TRAINING)
+    command = _command("--scheduler", dask_processes.address, "--nworkers", "2", str(script))
+    command.wait_for(r"\[rank 0\] TRAINING 0")
+    command.wait_for(r"\[rank 1\] TRAINING 1")
+    sent = time.time()
+    command.proc.send_signal(sig)
+    assert command.proc.wait(120) == 130, command.text()[-3000:]
+    command.stop()
+    assert "Traceback" not in command.text(), command.text()[-3000:]
+    (said,) = _said(command)
+    assert re.fullmatch(
+        rf"dask_ddp: {sig.name}: job \w+ cancelled; its ranks stopped and their workers are free",
+        said,
+    ), said
+    with Client(dask_processes.address) as client:
+        (info,) = dask_ddp.jobs(client)
+        assert info.state is dask_ddp.JobState.CANCELLED and sig.name in info.error
+        # The next 2-rank job starts on those workers at once (the issue: within 10 s).
+        started = dask_ddp.launch(client, time.time, workers=2).result(timeout=120)
+        assert max(started) - sent < 10, max(started) - sent
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_command_s_own_cluster_with_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "long.py"
+    script.write_text(TRAINING)
+    command = _command(str(script))
+    command.wait_for("TRAINING 0")
+    command.wait_for("TRAINING 1")
+    os.killpg(command.proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole group
+    assert command.proc.wait(120) == 130, command.text()[-3000:]
+    command.stop()
+    assert "Traceback" not in command.text(), command.text()[-3000:]
+    (said,) = _said(command)
+    assert re.fullmatch(r"dask_ddp: SIGINT: stopped job \w+ and the command's LocalCluster", said)
+    _assert_group_empty(command.proc.pid)
+
+
+WAITS_FOR_GO = textwrap.dedent(
+    """
+    import os
+    import torch.distributed as dist
+    from distributed import Event
+    import dask_ddp
+
+    dist.init_process_group("gloo")
+    for step in range(5):
+        dask_ddp.report({"loss": 1.0 / (step + 1)}, step=step)
+    Event("dask-ddp-test-go").wait(300)
+    print("DONE", os.environ["RANK"], flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_detach_leaves_the_job_running_and_says_how_to_attach(
+    dask_processes: DaskProcesses, tmp_path: Path
+) -> None:
+    script = tmp_path / "nightly.py"
+    script.write_text(WAITS_FOR_GO)
+    command = _command(
+        "--scheduler", dask_processes.address, "--name", "nightly", "--detach", str(script)
+    )
+    assert command.proc.wait(120) == 0, command.text()[-3000:]
+    command.stop()
+    (said,) = _said(command)
+    assert f"runs detached on {dask_processes.address}" in said, said
+    # The line shows the call that attaches: run it as it is.
+    call = re.search(r"follow it with (dask_ddp\.attach\(.*?\)) \(", said)[1]
+    job = eval(call, {"dask_ddp": dask_ddp, "Client": Client})
+    try:
+        assert job.name == "nightly" and job.state is dask_ddp.JobState.RUNNING
+        (info,) = dask_ddp.jobs(job.client)
+        assert info.detached and info.name == "nightly"
+        job.view_state(lambda s: [r["step"] for r in s["ranks"]] == [4, 4], timeout=120)
+        Event("dask-ddp-test-go", client=job.client).set()
+        assert job.result(timeout=120) == [0, 0]
+        assert sorted(line.text for line in job.output if line.text.startswith("DONE")) == [
+            "DONE 0",
+            "DONE 1",
+        ]
+        assert [r.step for r in job.metrics if r.rank == 0] == [0, 1, 2, 3, 4]
+    finally:
+        job.client.close()
+
+
+ONE_STEP_QUIET = textwrap.dedent(
+    """
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_with_a_scheduler_the_job_waits_for_workers_started_meanwhile(
+    dask_processes: DaskProcesses, tmp_path: Path
+) -> None:
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP_QUIET)
+    command = _command("--scheduler", dask_processes.address, "--nworkers", "3", str(script))
+    command.wait_for(r"dask_ddp: waiting for 3 workers \(the cluster has 2;")
+    dask_processes.workers.append(dask_processes.add_worker())  # as a user would, by hand
+    assert command.proc.wait(240) == 0, command.text()[-3000:]
+    command.stop()
+    assert _said(command)[-1].startswith("dask_ddp: every rank finished: 3 ranks")
+
+
+@pytest.mark.slow
+def test_with_a_scheduler_the_wait_for_workers_ends_at_the_scale_timeout(
+    dask_processes: DaskProcesses, tmp_path: Path
+) -> None:
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP_QUIET)
+    command = _command(
+        "--scheduler", dask_processes.address, "--nworkers", "3", str(script),
+        env={"DASK_DDP__SCALE_TIMEOUT": "3s"},
+    )  # fmt: skip
+    assert command.proc.wait(240) == 1, command.text()[-3000:]
+    command.stop()
+    assert "up to ddp.scale-timeout, 3s" in _said(command)[0]
+    assert re.search(
+        r"needs at least 3 workers, but the cluster had only 2 for 3 s", _said(command)[-1]
+    ), _said(command)
+
+
+@pytest.mark.slow
+def test_with_a_scheduler_an_adaptive_cluster_is_asked_for_the_workers(tmp_path: Path) -> None:
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP_QUIET)
+    with LocalCluster(
+        n_workers=0, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as cluster:
+        cluster.adapt(minimum=0, maximum=2, interval="200ms")
+        command = _command("--scheduler", cluster.scheduler_address, "--nworkers", "2", str(script))
+        assert command.proc.wait(240) == 0, command.text()[-3000:]
+        command.stop()
+        assert _said(command)[0].startswith("dask_ddp: waiting for 2 workers (the cluster has 0;")
+        assert _said(command)[-1].startswith("dask_ddp: every rank finished: 2 ranks")

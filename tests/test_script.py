@@ -180,3 +180,71 @@ def test_what_is_wrong_is_said_with_the_fix() -> None:
     too_large = ScriptModulesTooLargeError("train.py", {"big.py": 3 << 20, "small.py": 10}, 1 << 20)
     assert "big.py (3072 KiB)" in str(too_large)
     assert "DASK_DDP__SCRIPT_MODULES_LIMIT=64MiB" in str(too_large)
+
+
+def test_a_package_s_module_runs_as_python_m_where_the_worker_does_not_see_it(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's ``-m pkg.train`` from the client's working directory: on a worker that
+    does not see that folder, the module, its package and what it imports from there are
+    shipped, and it runs as ``python -m`` runs it (relative imports, ``__spec__``)."""
+    from dask_ddp.script import ScriptFiles, module_files, run_module
+
+    project = tmp_path / "project"
+    (project / "pkg").mkdir(parents=True)
+    (project / "pkg" / "__init__.py").write_text("")
+    (project / "pkg" / "helper.py").write_text("VALUE = 42\n")
+    (project / "common.py").write_text("NAME = 'common'\n")
+    (project / "unused.py").write_text("raise RuntimeError('not imported, not shipped')\n")
+    (project / "pkg" / "train.py").write_text(
+        "import sys\n"
+        "from .helper import VALUE\n"
+        "from common import NAME\n"
+        "assert __name__ == '__main__' and __spec__.name == 'pkg.train', __spec__\n"
+        "assert (VALUE, NAME) == (42, 'common') and sys.argv[1:] == ['--epochs', '2']\n"
+    )
+    monkeypatch.chdir(project)
+    files = module_files("pkg.train")
+    assert sorted(files.modules) == [
+        "common.py",
+        "pkg/__init__.py",
+        "pkg/helper.py",
+        "pkg/train.py",
+    ]
+    assert files.folder == str(project.resolve())
+    before = client.run(_worker_state)
+    elsewhere = ScriptFiles("/nowhere/pkg/train.py", "/nowhere", files.modules)
+    ran = client.submit(run_module, "pkg.train", ["--epochs", "2"], files=elsewhere, pure=False)
+    assert ran.result(timeout=60) == 0
+    assert client.run(_worker_state) == before
+    job = dask_ddp.launch_script(client, "pkg.train", ["--epochs", "2"], module=True)
+    assert job.result(timeout=120) == [0, 0] and job.name == "pkg.train"
+
+
+REPORTS = textwrap.dedent(
+    """
+    import os
+    import dask_ddp
+
+    for step in range(3):
+        dask_ddp.report({"loss": 1.0 / (step + 1)}, step=step)
+    print("rank", os.environ["RANK"], "done", flush=True)
+    """
+)
+
+
+def test_launch_script_names_detaches_and_calls_back(client: Client, tmp_path: Path) -> None:
+    path = tmp_path / "reports.py"
+    path.write_text(REPORTS)
+    records: list[dask_ddp.MetricRecord] = []
+    lines: list[dask_ddp.OutputLine] = []
+    job = dask_ddp.launch_script(
+        client, path, name="reporting-script", detach=True,
+        on_report=records.append, on_output=lines.append,
+    )  # fmt: skip
+    assert job.result(timeout=120) == [0, 0]
+    assert sorted((r.rank, r.step) for r in records) == [(r, s) for r in (0, 1) for s in range(3)]
+    assert sorted(line.text for line in lines) == ["rank 0 done", "rank 1 done"]
+    (info,) = [j for j in dask_ddp.jobs(client) if j.job_id == job.job_id]
+    assert info.name == "reporting-script" and info.detached
+    assert dask_ddp.attach(client, "reporting-script").result(timeout=60) == [0, 0]
