@@ -8,23 +8,22 @@ Tests that kill or restart workers start their own cluster instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import boto3
 import pytest
 import torch
 from distributed import Client, LocalCluster
 from moto.server import ThreadedMotoServer
+from processes import DaskProcesses
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -50,10 +49,66 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[Client]:
+def client(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A client of the shared cluster. A test that leaves the cluster's workers held by a
+    job, or a rank busy in a worker process, fails itself, naming what it left, and the
+    cluster is made clean again for the tests after it."""
     with Client(cluster) as client:
         client.wait_for_workers(2, timeout="60s")
         yield client
+        left = _leftovers(client)
+        if left:
+            _clean_up(client, left)
+            pytest.fail(
+                f"{request.node.nodeid} left the shared cluster unclean: {'; '.join(left)} "
+                "(cancel or wait for its jobs before it ends; the cluster was cleaned up)",
+                pytrace=False,
+            )
+
+
+def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
+    plugin = dask_scheduler.plugins.get("dask-ddp")
+    if plugin is None or plugin.pool is None:
+        return {"held": {}, "jobs": []}
+    jobs = [
+        [job.job_id, job.spec.name, job.state.value]
+        for job in plugin.jobs.values()
+        if not job.stopped.is_set()
+    ]
+    return {"held": dict(plugin.pool.holder), "jobs": jobs}
+
+
+def _busy_rank(seconds: float) -> str | None:
+    from dask_ddp._slot import PROCESS
+
+    if PROCESS.wait_idle(seconds):
+        return None
+    run = PROCESS.current()
+    return run.key if run is not None else "?"
+
+
+def _leftovers(client: Client) -> list[str]:
+    """What a test left on the shared cluster: running jobs, held workers, busy ranks."""
+    left = []
+    state = client.run_on_scheduler(_held_and_running)
+    for job_id, name, job_state in state["jobs"]:
+        left.append(f"job {job_id} ({name}) still {job_state}")
+    for worker, holder in state["held"].items():
+        left.append(f"worker {worker} held by {holder}")
+    for worker, key in client.run(_busy_rank, 5).items():
+        if key is not None:
+            left.append(f"worker {worker} still runs rank task {key}")
+    return left
+
+
+def _clean_up(client: Client, left: list[str]) -> None:
+    from dask_ddp import _cluster
+
+    for job_id, _, _ in client.run_on_scheduler(_held_and_running)["jobs"]:
+        with contextlib.suppress(Exception):
+            _cluster.cancel_job(client, job_id, "left running by a test")
+    if _leftovers(client):
+        client.restart(wait_for_workers=True)
 
 
 @pytest.fixture
@@ -61,101 +116,6 @@ def own_cluster() -> Iterator[LocalCluster]:
     """A cluster of its own, for tests that kill or restart workers."""
     with make_cluster(2) as cluster:
         yield cluster
-
-
-class Output:
-    """A process started with its output (stdout and stderr together) read line by line on a
-    thread of its own, so that a test waits for a line it expects instead of polling."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, **kwargs) -> None:
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self.proc = subprocess.Popen(
-            args,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            **kwargs,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line)
-                self._cond.notify_all()
-        with self._cond:
-            self.lines.append("")  # the end of the output
-            self._cond.notify_all()
-
-    def wait_for(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
-        """The first line that matches ``pattern``, once it was printed."""
-        regex = re.compile(pattern)
-        seen = 0
-
-        def found() -> re.Match[str] | bool | None:
-            nonlocal seen
-            for line in self.lines[seen:]:
-                if line == "":
-                    return True  # the process closed its output
-                if m := regex.search(line):
-                    return m
-            seen = len(self.lines)
-            return None
-
-        with self._cond:
-            match = self._cond.wait_for(found, timeout)
-        if not isinstance(match, re.Match):
-            raise AssertionError(
-                f"{self.proc.args[:4]} never printed {pattern!r}:\n{self.text()[-3000:]}"
-            )
-        return match
-
-    def text(self) -> str:
-        with self._cond:
-            return "".join(self.lines)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-        self._reader.join(timeout)
-
-
-class DaskProcesses:
-    """``dask scheduler`` (no preload) and ``dask worker`` processes (one thread, with a
-    nanny each) on loopback ports the OS picks, as a deployment starts them by hand."""
-
-    def __init__(self, n_workers: int = 2, env: dict[str, str] | None = None) -> None:
-        self.env = env or {}
-        self.scheduler = Output(
-            [sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
-             "--dashboard-address", "127.0.0.1:0"],
-            self.env,
-        )  # fmt: skip
-        self.address = self.scheduler.wait_for(r"Scheduler at:\s+(\S+)")[1]
-        self.workers = [self.add_worker() for _ in range(n_workers)]
-        if n_workers:
-            with Client(self.address) as client:
-                client.wait_for_workers(n_workers, timeout=120)
-
-    def add_worker(self) -> Output:
-        return Output(
-            [sys.executable, "-m", "dask", "worker", self.address, "--nthreads", "1",
-             "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"],
-            self.env,
-        )  # fmt: skip
-
-    def close(self) -> None:
-        for worker in self.workers:
-            worker.stop()
-        self.scheduler.stop()
 
 
 @pytest.fixture

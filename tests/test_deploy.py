@@ -27,9 +27,9 @@ import pytest
 from distributed import Client, Event, LocalCluster
 from distributed.comm import get_address_host
 from distributed.security import Security
+from processes import DaskProcesses, Output
 
 import dask_ddp
-from conftest import DaskProcesses, Output
 
 # The scheduler and workers of a gateway's cluster cannot import this module: its
 # functions travel by value, as a notebook's do.

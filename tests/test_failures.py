@@ -111,7 +111,7 @@ def test_in_a_notebook_the_error_reads_once_from_the_cell_that_raised(tmp_path) 
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(
-        nb, timeout=300, kernel_name="python3", allow_errors=True,
+        nb, timeout=240, kernel_name="python3", allow_errors=True,
         resources={"metadata": {"path": str(tmp_path)}},
     ).execute()  # fmt: skip
     errors = [o for o in nb.cells[2].outputs if o.output_type == "error"]

@@ -31,7 +31,7 @@ def test_notebooks_are_found_and_stored_without_outputs() -> None:
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     ).execute()
     outputs = _outputs(nb)
     assert not [o for o in outputs if o.get("output_type") == "error"]

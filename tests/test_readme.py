@@ -19,7 +19,7 @@ def test_quick_start_runs(tmp_path: Path) -> None:
     script = tmp_path / "quickstart.py"
     script.write_text(block)
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[0, 1]"

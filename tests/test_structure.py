@@ -1,6 +1,6 @@
 """The package's shape: three wings on one ground floor, no import circles, and every use
 of distributed's private API behind one door (``dask_ddp/_dask_internals.py``, whose own
-tests name the distributed versions it was checked against).
+tests check each of them against the installed distributed).
 
 Size is not checked here: a module is as long as what it owns needs (see docs/design.md).
 """

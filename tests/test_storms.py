@@ -1,0 +1,39 @@
+"""Cancel and kill storms on a real cluster, with two CPU-busy processes beside them.
+
+The small round of ``benchmarks/storms.py`` (which runs 200 cancel rounds and 50 kill
+rounds): a job cancelled at a random moment (placed, gathering, training, importing)
+gives its workers back and the next job runs on them, inheriting nothing; a job whose
+rank's worker is SIGKILLed at a random moment restarts from its last checkpoint, trains
+every step exactly once, and the next job runs on the same workers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import storms  # noqa: E402
+
+
+@pytest.mark.slow
+def test_a_cancel_storm_never_strands_the_cluster() -> None:
+    said: list[str] = []
+    with storms.cpu_load(2):
+        results = storms.run_cancel_storm(20, seed=1, say=said.append)
+    assert len(results) == 20, said
+    # Every kind of moment was hit: while placed or gathering, and while training.
+    assert {r["cooperative"] for r in results} == {True, False}, said
+
+
+@pytest.mark.slow
+def test_a_kill_storm_restarts_and_trains_every_step_once() -> None:
+    said: list[str] = []
+    with storms.cpu_load(2):
+        results = storms.run_kill_storm(5, seed=1, say=said.append)
+    assert len(results) == 5, said
+    assert sum(r["restarts"] for r in results) >= 1, said  # a kill landed while it trained
