@@ -42,17 +42,19 @@ def install(client: Client) -> None:
         if _installed.get(client):
             return
         try:
-            ready = client.run_on_scheduler(acall, Entry.INSTALL_PLUGIN)
+            answer = client.run_on_scheduler(acall, Entry.INSTALL_PLUGIN)
         except Exception as exc:
             # A locked-down scheduler refuses run_on_scheduler; one started with
             # `--preload dask_ddp` has the plugin, which answers its own handler.
             try:
-                ready = bool(_ask(client, "ready").get("ready"))
+                answer = _ask(client, "ready")
             except Exception:
                 raise SchedulerPluginError(
                     client.scheduler.address, f"{type(exc).__name__}: {exc}"
                 ) from exc
-        if not ready:
+        if "refused" in answer:
+            raise from_wire(answer["refused"])
+        if not answer.get("ready"):
             raise SchedulerPluginError(
                 client.scheduler.address, "the scheduler did not install the plugin"
             )

@@ -22,7 +22,7 @@ from typing import Any
 
 from . import _protocol as protocol
 from . import view
-from ._progress import Progress
+from ._progress import Progress, view_state
 from ._types import CheckpointInfo, JobState, MetricRecord, OutputLine, Transition
 
 logger = logging.getLogger(__name__)
@@ -221,26 +221,26 @@ class JobModel:
         with self.cond:
             end = self.finished if self.finished is not None else time.time()
             error = self.error or {}
-            return {
-                "job": self.job_id,
-                "name": self.name,
-                "state": self.state.value,
-                "waiting": self.wait_reason,
-                "total": self.total_steps,
-                "backend": self.backend,
-                "elapsed": max(0.0, end - self.started),
-                "attempts": self.attempt + 1,
-                "records": len(self.metrics) or self.progress.records,
-                "ranks": self.progress.ranks(),
-                "metric": self.progress.metric,
-                "error": error.get("summary"),
-                "traceback": error.get("traceback"),
-                "notes": self.notes,
-                "output": [
+            return view_state(
+                job=self.job_id,
+                name=self.name,
+                state=self.state.value,
+                waiting=self.wait_reason,
+                total=self.total_steps,
+                backend=self.backend,
+                elapsed=end - self.started,
+                attempts=self.attempt + 1,
+                records=len(self.metrics) or self.progress.records,
+                ranks=self.progress.ranks(),
+                metric=self.progress.metric,
+                error=error.get("summary"),
+                traceback=error.get("traceback"),
+                notes=self.notes,
+                output=[
                     f"[rank {o.rank}] {o.text}"
                     for o in itertools.islice(reversed(self.output), _VIEW_LINES)
                 ][::-1],
-            }
+            )
 
     def progress_line(self) -> str:
         """One line for a terminal: each rank's step and latest metrics."""

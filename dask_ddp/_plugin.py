@@ -395,8 +395,7 @@ def _plugin_of(scheduler: Any) -> DaskDDPPlugin:
 async def install_on(dask_scheduler: Any) -> bool:
     """Install the plugin on ``dask_scheduler`` if it is a scheduler and has none yet, and
     wait until it is ready: the ``dask_setup`` of ``--preload dask_ddp`` and ``--preload
-    dask_ddp.dashboard``, and what a client runs on the scheduler (by name,
-    :data:`dask_ddp._protocol.Entry.INSTALL_PLUGIN`) the first time it launches."""
+    dask_ddp.dashboard``."""
     if not hasattr(dask_scheduler, "register_scheduler_plugin"):
         return False
     if PLUGIN_NAME not in dask_scheduler.plugins:
@@ -404,3 +403,17 @@ async def install_on(dask_scheduler: Any) -> bool:
         await dask_scheduler.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
     await dask_scheduler.plugins[PLUGIN_NAME].ready()
     return True
+
+
+async def install_for_client(dask_scheduler: Any) -> dict[str, Any]:
+    """What a client runs on the scheduler (by name,
+    :data:`dask_ddp._protocol.Entry.INSTALL_PLUGIN`) the first time it launches: the plugin,
+    installed once and ready. A scheduler whose ``register_scheduler_plugin`` handler is
+    blocked (``distributed.scheduler.blocked-handlers``) gets no plugin this way: its
+    operator chose that plugins come with the scheduler (``--preload dask_ddp``)."""
+    blocked = getattr(dask_scheduler, "blocked_handlers", ())
+    if PLUGIN_NAME not in dask_scheduler.plugins and "register_scheduler_plugin" in blocked:
+        cause = "its 'register_scheduler_plugin' handler is blocked"
+        return {"refused": to_wire(SchedulerPluginError(dask_scheduler.address, cause))}
+    await install_on(dask_scheduler)
+    return {"ready": True}

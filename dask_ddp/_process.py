@@ -6,7 +6,8 @@ Each one reaches below Python's usual abstractions, and each was needed on the r
 - :func:`platform_start_method`: start them the way they start under torchrun (fork on
   Linux before Python 3.14), not with the spawn that a Dask worker inherits.
 - :func:`socket_fds`, :func:`process_group_links`, :func:`sever`: find the sockets that
-  ``init_process_group`` opened and shut them down, so gloo's peers fail in milliseconds.
+  ``init_process_group`` opened and shut them down, so gloo's peers fail in milliseconds;
+  :func:`groups_watched`: find them for a group a script or a framework makes itself.
 - :func:`dask_ports`: the worker's own ports, never among the sockets shut down.
 - :func:`is_peer_loss`: recognise a collective that failed because a peer went away.
 - :func:`fresh_group_names`: name the next default process group as a fresh process would.
@@ -15,12 +16,13 @@ Each one reaches below Python's usual abstractions, and each was needed on the r
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
 import socket
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ __all__ = [
     "children_allowed",
     "dask_ports",
     "fresh_group_names",
+    "groups_watched",
     "is_peer_loss",
     "platform_start_method",
     "process_group_links",
@@ -131,6 +134,36 @@ def sever(links: Iterable[int]) -> None:
                 sock.shutdown(socket.SHUT_RDWR)
             finally:
                 sock.detach()
+
+
+@contextlib.contextmanager
+def groups_watched(on_links: Callable[[frozenset[int]], None], ignore: set[int]) -> Iterator[None]:
+    """While the block runs, every ``torch.distributed.init_process_group`` in this process
+    (the rank's own, a script's, Lightning's or accelerate's) tells ``on_links`` the sockets
+    its group opened (:func:`process_group_links`, Dask's ports ``ignore`` left out), and
+    names the group as in a fresh process (:func:`fresh_group_names`). Restored afterwards.
+
+    >>> with groups_watched(print, set()):
+    ...     pass
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        before = socket_fds()
+        fresh_group_names()
+        result = original(*args, **kwargs)
+        on_links(process_group_links(before, ignore))
+        return result
+
+    dist.init_process_group = c10d.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group = c10d.init_process_group = original
 
 
 def dask_ports(worker: Any) -> set[int]:

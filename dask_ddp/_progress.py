@@ -12,12 +12,61 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["Progress", "pick_curve_metric"]
+__all__ = ["Progress", "pick_curve_metric", "view_state"]
 
 CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinned)
 # What the /ddp/ page gets of each rank (Progress.page_ranks): metric values, curve points,
 # and curve points of all ranks together.
 PAGE_VALUES, PAGE_CURVE_POINTS, PAGE_TOTAL_POINTS = 16, 200, 20_000
+
+
+def view_state(
+    *,
+    job: str,
+    name: str,
+    state: str,
+    waiting: str | None,
+    total: int | None,
+    backend: str,
+    elapsed: float,
+    attempts: int,
+    records: int,
+    ranks: list[dict[str, Any]],
+    metric: str | None,
+    error: str | None,
+    traceback: str | None,
+    notes: list[str],
+    output: list[str],
+    **extra: Any,
+) -> dict[str, Any]:
+    """What every view of a job draws (:mod:`dask_ddp.view`): the notebook's, from a client's
+    :class:`~dask_ddp._model.JobModel`, and the ``/ddp/`` page's, from the supervisor on the
+    scheduler. One builder, so that the two never draw different things; ``extra`` is what
+    only one of them adds (the page: who launched the job, how many follow it).
+
+    >>> view_state(job="3f2a", name="train", state="running", waiting=None, total=None,
+    ...            backend="gloo", elapsed=1.0, attempts=1, records=0, ranks=[], metric=None,
+    ...            error=None, traceback=None, notes=[], output=[])["state"]
+    'running'
+    """
+    return {
+        "job": job,
+        "name": name,
+        "state": state,
+        "waiting": waiting,
+        "total": total,
+        "backend": backend,
+        "elapsed": max(0.0, elapsed),
+        "attempts": attempts,
+        "records": records,
+        "ranks": ranks,
+        "metric": metric,
+        "error": error,
+        "traceback": traceback,
+        "notes": list(notes),
+        "output": list(output),
+        **extra,
+    }
 
 
 def pick_curve_metric(values: dict[str, Any]) -> str:

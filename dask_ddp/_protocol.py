@@ -339,7 +339,7 @@ class Entry:
     TAKE_BLOB = "dask_ddp.events:take_blob"  # a large message, through the scheduler
     BLOB_HANDLER = "dask_ddp.events:BlobHandler"  # a WorkerPlugin class
     REPLICA_PLUGIN = "dask_ddp._replicas:ReplicaPlugin"  # a WorkerPlugin class
-    INSTALL_PLUGIN = "dask_ddp._plugin:install_on"  # async, on the scheduler
+    INSTALL_PLUGIN = "dask_ddp._plugin:install_for_client"  # async, on the scheduler
 
 
 def resolve(entry: str) -> Callable[..., Any]:

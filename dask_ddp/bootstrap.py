@@ -2,10 +2,15 @@
 
 The rank task (:func:`run_rank`) sets the torchrun environment, joins the process group,
 calls the user's function and always leaves the worker as it found it: environment,
-thread count, daemon flag, malloc thresholds and the default process group are restored, on success,
-exception or abort. The process group is destroyed just after the task returns, on a
-thread of its own (gloo's teardown takes about 20 ms); the next rank on the worker waits
-for it.
+thread count, daemon flag, malloc thresholds and the default process group are restored,
+on success, exception or stop, before the task returns (gloo's teardown takes about 20
+ms): a plain task the scheduler sends the worker next finds no process group.
+
+A rank is stopped (:func:`abort_rank`) only at points where stopping is safe: dask-ddp's
+own calls, a collective that fails on its severed connections, a released rendezvous.
+Nothing is ever raised into its thread from outside; the supervisor restarts the worker of
+a rank that reaches no such point within ``ddp.failure-grace``. Its outcome
+(:func:`outcome_of`) is decided here, from the exception object.
 
 Rendezvous: the probe opens the job's ``TCPStore`` on rank 0's worker (port 0, so the OS
 picks a free port; on the worker's own address, not every interface) before any rank task
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -473,7 +479,11 @@ def _first_failure(
     summary = f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS]
     try:
         if peer_lost:
-            store.wait([_FIRST_FAILURE], timedelta(seconds=1))
+            # A failing rank records its error before it severs its connections, so a peer's
+            # closed connection with no error recorded means its process died: no wait (a
+            # timed-out wait prints c10d's warning on every surviving rank).
+            if not store.check([_FIRST_FAILURE]):
+                return (-1, summary)
         elif store.add(_FAILURES, 1) == 1:
             store.set(_FIRST_ERROR, summary)
             store.set(_FIRST_FAILURE, str(rank))
@@ -523,6 +533,11 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         with (
             _claim_slot(spec, run, slot),
             _process_settings(spec) if slot is PROCESS else contextlib.nullcontext(),
+            _process.groups_watched(
+                functools.partial(_group_made, run, slot), _process.dask_ports(worker)
+            )
+            if slot is PROCESS
+            else contextlib.nullcontext(),
         ):
             value = _run_in_slot(fn, args, kwargs, spec, run, worker, slot)
     except BaseException as exc:
@@ -540,6 +555,17 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
 
 
 @contextlib.contextmanager
+def _group_made(run: RankRun, slot: ProcessSlot, links: frozenset[int]) -> None:
+    """The rank's process group (its own, or one its script or framework made) opened
+    ``links``: a stop shuts them down (one asked while the group was being made does it
+    now, so that its peers do not wait on it)."""
+    with slot.lock:
+        run.links = links
+        stopped = run.stop_reason is not None
+    if stopped:
+        _process.sever(links)
+
+
 def _process_settings(spec: RankSpec) -> Iterator[None]:
     """What a rank sets for its whole process while it runs, restored after it."""
     with (
@@ -570,8 +596,6 @@ def _run_in_slot(
     run.check_stop()
     device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:
-        before = _process.socket_fds()
-        _process.fresh_group_names()
         dist.init_process_group(
             spec.rendezvous.backend,
             store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
@@ -579,12 +603,6 @@ def _run_in_slot(
             world_size=p.world_size,
             timeout=timedelta(seconds=spec.rendezvous.timeout),
         )
-        links = _process.process_group_links(before, _process.dask_ports(worker))
-        with slot.lock:
-            run.links = links
-            stopped = run.stop_reason is not None
-        if stopped:  # asked while the group was being made: its peers must not wait on it
-            _process.sever(links)
         _rendezvous(store, spec, run, "initialised")
         run.check_stop()
     _status.send(run, _status.RUNNING)
@@ -667,10 +685,15 @@ def _checkpointing(
 
 
 def _release_process_group() -> None:
-    """Destroy the default process group, if the rank (or its script) left one, and leave
-    the next one's name as in a fresh process (see :func:`_process.fresh_group_names`)."""
+    """Leave the process as the next task expects it: the rank's CUDA work finished, the
+    default process group destroyed if the rank (or its script) left one, and the next
+    group named as in a fresh process (see :func:`_process.fresh_group_names`). Runs before
+    the rank's task returns: the scheduler gives the worker other work only then."""
+    import torch
     import torch.distributed as dist
 
+    if torch.cuda.is_initialized():  # the rank's kernels finish before its worker is free
+        torch.cuda.synchronize()
     if dist.is_initialized():
         dist.destroy_process_group()
     _process.fresh_group_names()

@@ -36,7 +36,7 @@ from . import _lifecycle as lc
 from . import errors
 from ._launcher import Attempt, Launcher
 from ._ledger import CheckpointLedger, describe_sources, writer_rank
-from ._progress import Progress
+from ._progress import Progress, view_state
 from ._protocol import RankOutcome, Told, WireVersionError, job_topic
 from ._types import CheckpointInfo, JobSpec, JobState, Transition
 from .errors import (
@@ -733,26 +733,25 @@ class Supervisor:
         caps them, the last 20 notes, no printed output)."""
         a = self.attempt
         error = self.error
-        waiting = self.wait_reason if self.life.phase is lc.Phase.WAITING else None
-        return {
-            "job": self.job_id,
-            "name": self.spec.name,
-            "state": self.state.value,
-            "waiting": waiting,
-            "total": self.spec.total_steps,
-            "backend": a.backend if a is not None else "",
-            "elapsed": (self.finished or time.time()) - self.started,
-            "attempts": a.number + 1 if a is not None else 0,
-            "records": self.progress.records,
-            "ranks": self.progress.page_ranks(),
-            "metric": self.progress.metric,
-            "error": None if error is None else first_line(error),
-            "traceback": getattr(error, "rank_traceback", None) or None,
-            "notes": list(self.notes),
-            "output": [],
-            "launched_by": self.spec.launched_by,
-            "client": self.spec.client,
-            "started": self.started,
-            "followers": len(self.followers),
-            "detached": self.spec.detach,
-        }
+        return view_state(
+            job=self.job_id,
+            name=self.spec.name,
+            state=self.state.value,
+            waiting=self.wait_reason if self.life.phase is lc.Phase.WAITING else None,
+            total=self.spec.total_steps,
+            backend=a.backend if a is not None else "",
+            elapsed=(self.finished or time.time()) - self.started,
+            attempts=a.number + 1 if a is not None else 0,
+            records=self.progress.records,
+            ranks=self.progress.page_ranks(),
+            metric=self.progress.metric,
+            error=None if error is None else first_line(error),
+            traceback=getattr(error, "rank_traceback", None) or None,
+            notes=self.notes,
+            output=[],
+            launched_by=self.spec.launched_by,
+            client=self.spec.client,
+            started=self.started,
+            followers=len(self.followers),
+            detached=self.spec.detach,
+        )

@@ -271,19 +271,19 @@ def test_is_adaptive(client: Client) -> None:
 
 
 # --- used by dask_ddp._plugin and dask_ddp._cluster: the plugin's handlers, by name ---
-def _serve_echo(dask_scheduler=None) -> None:
+def _serve_scheduler_echo(dask_scheduler=None) -> None:
     async def echo(spec: object = None, text: str = "") -> dict:
         return {"spec": repr(spec), "text": text.upper()}
 
     _dask_internals.add_scheduler_handler(dask_scheduler, "dask_ddp_test_echo", echo)
 
 
-def _unserve_echo(dask_scheduler=None) -> None:
+def _unserve_scheduler_echo(dask_scheduler=None) -> None:
     _dask_internals.remove_scheduler_handler(dask_scheduler, "dask_ddp_test_echo")
 
 
 def test_a_scheduler_handler_called_by_name(client: Client) -> None:
-    client.run_on_scheduler(_serve_echo)
+    client.run_on_scheduler(_serve_scheduler_echo)
     try:
         spec = dask_ddp.JobState.RUNNING  # any object: it travels pickled
         answer = _dask_internals.call_scheduler(
@@ -291,7 +291,7 @@ def test_a_scheduler_handler_called_by_name(client: Client) -> None:
         )
         assert answer == {"spec": repr(spec), "text": "HI"}
     finally:
-        client.run_on_scheduler(_unserve_echo)
+        client.run_on_scheduler(_unserve_scheduler_echo)
 
 
 @pytest.mark.slow

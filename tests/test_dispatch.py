@@ -501,3 +501,22 @@ def test_every_rank_future_of_a_failed_job_says_why(own_cluster, tmp_path) -> No
             futures[0].result()
         with pytest.raises(ValueError, match="bad batch at step 5"):
             futures[1].result()
+
+
+def _as_after_a_failed_init() -> int:
+    """What an init_process_group that failed (a peer died while the mesh connected) leaves
+    in a worker process: torch's group counter one ahead, and no group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count += 1
+    return c10d._world.group_count
+
+
+def test_a_worker_after_a_failed_init_runs_the_next_job(client: Client) -> None:
+    # Without naming each new group as a fresh process does, this job's ranks would wait
+    # for each other under different names until the process group's timeout.
+    first = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    assert client.run(_as_after_a_failed_init, workers=[first])[first] >= 1
+    job = dask_ddp.launch(client, _seen_by_rank, args=("after",), timeout=30)
+    assert [o["sum"] for o in job.result(timeout=120)] == [3.0, 3.0]
+

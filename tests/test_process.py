@@ -5,8 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
-import threading
-import time
 import types
 
 import pytest
@@ -15,35 +13,27 @@ import torch.distributed as dist
 from dask_ddp import _process
 
 
-class _Stop(BaseException):
-    pass
+def test_fresh_group_names_undoes_what_a_failed_init_left() -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.group_count = 3  # what failed init_process_group calls leave behind
+    _process.fresh_group_names()
+    assert c10d._world.group_count == 0  # the next group is named as in a fresh process
 
 
-def test_raise_in_thread_stops_a_running_python_loop() -> None:
-    started, caught = threading.Event(), []
+def test_groups_watched_sees_a_group_made_by_the_script_and_restores_torch() -> None:
+    import torch.distributed as dist
 
-    def spin() -> None:
-        started.set()
-        deadline = time.monotonic() + 60
+    original, seen = dist.init_process_group, []
+    with _process.groups_watched(seen.append, set()):
+        assert dist.init_process_group is not original
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            while time.monotonic() < deadline:
-                pass
-        except _Stop:
-            caught.append(True)
-
-    thread = threading.Thread(target=spin)
-    thread.start()
-    assert started.wait(10)
-    assert _process.raise_in_thread(thread.ident, _Stop)
-    thread.join(30)
-    assert not thread.is_alive() and caught == [True]
-
-
-def test_raise_in_thread_reports_an_unknown_thread() -> None:
-    done = threading.Thread(target=lambda: None)
-    done.start()
-    done.join()
-    assert not _process.raise_in_thread(done.ident, _Stop)
+            assert dist.is_initialized()
+        finally:
+            dist.destroy_process_group()
+    assert dist.init_process_group is original
+    assert len(seen) == 1 and isinstance(seen[0], frozenset)
 
 
 def _grandchild() -> None:
