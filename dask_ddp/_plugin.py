@@ -393,15 +393,15 @@ def _plugin_of(scheduler: Any) -> DaskDDPPlugin:
 
 
 async def install_on(dask_scheduler: Any) -> bool:
-    """Install the plugin on ``dask_scheduler`` if it is a scheduler and has none yet, and
-    wait until it is ready: the ``dask_setup`` of ``--preload dask_ddp`` and ``--preload
-    dask_ddp.dashboard``."""
+    """Install the plugin on ``dask_scheduler`` if it is a scheduler and has none yet: the
+    ``dask_setup`` of ``--preload dask_ddp`` and ``--preload dask_ddp.dashboard`` (it runs
+    while the scheduler starts, so it does not wait for the plugin's own client, which
+    connects once the scheduler listens)."""
     if not hasattr(dask_scheduler, "register_scheduler_plugin"):
         return False
     if PLUGIN_NAME not in dask_scheduler.plugins:
         plugin = DaskDDPPlugin()
         await dask_scheduler.register_scheduler_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
-    await dask_scheduler.plugins[PLUGIN_NAME].ready()
     return True
 
 
@@ -416,4 +416,5 @@ async def install_for_client(dask_scheduler: Any) -> dict[str, Any]:
         cause = "its 'register_scheduler_plugin' handler is blocked"
         return {"refused": to_wire(SchedulerPluginError(dask_scheduler.address, cause))}
     await install_on(dask_scheduler)
+    await dask_scheduler.plugins[PLUGIN_NAME].ready()
     return {"ready": True}

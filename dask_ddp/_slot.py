@@ -42,6 +42,7 @@ __all__ = [
     "ProcessSlot",
     "RankContext",
     "RankRun",
+    "StopRequested",
     "host_lanes",
     "slot_for",
     "this_slot",
@@ -123,6 +124,17 @@ class CheckpointSettings(CheckpointPlan):
         return cls(**fields, job=job, grow_timeout=grow_timeout)
 
 
+class StopRequested(BaseException):
+    """Raised at a rank's safe point once the supervisor asked it to stop
+    (:meth:`RankRun.check_stop`). A BaseException, so that ``except Exception`` in training
+    code lets it through; the rank task ends with the :class:`~dask_ddp.RankStoppedError`
+    it carries."""
+
+    def __init__(self, error: RankStoppedError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 @dataclasses.dataclass
 class RankRun:
     """One rank task's state in its worker process, from its start to its end.
@@ -173,6 +185,7 @@ class RankRun:
     master: tuple[str, int] | None = None
     stop_reason: str | None = None
     stop_failed_rank: int | None = None
+    stop_raised: bool = False
     links: frozenset[int] = frozenset()
     store: Any = None
     context: RankContext | None = None
@@ -185,15 +198,19 @@ class RankRun:
     pid: int = dataclasses.field(default_factory=os.getpid)
 
     def check_stop(self) -> None:
-        """A safe point: raise :class:`~dask_ddp.RankStoppedError` if the supervisor asked
-        this rank to stop. Ranks are only ever stopped here, from their own thread, or by
-        a collective failing on its severed links, never by an exception raised into them
-        from outside (that leaves the process half-way through whatever it did: an import,
-        torch's process-group bookkeeping), so a stopped rank's process can run the next
-        rank."""
-        if self.stop_reason is not None:
-            raise RankStoppedError(
-                self.rank, self.stop_reason, job=self.job_id, failed_rank=self.stop_failed_rank
+        """A safe point: raise :class:`StopRequested` if the supervisor asked this rank to
+        stop, the first time only (cleanup code that reports on its way out, in a
+        ``finally``, is not stopped again). Ranks are only ever stopped here, from their own
+        thread, or by a collective failing on its severed links, never by an exception
+        raised into them from outside (that leaves the process half-way through whatever it
+        did: an import, torch's process-group bookkeeping), so a stopped rank's process can
+        run the next rank."""
+        if self.stop_reason is not None and not self.stop_raised:
+            self.stop_raised = True
+            raise StopRequested(
+                RankStoppedError(
+                    self.rank, self.stop_reason, job=self.job_id, failed_rank=self.stop_failed_rank
+                )
             )
 
 

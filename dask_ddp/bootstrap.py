@@ -53,6 +53,7 @@ from ._slot import (
     ProcessSlot,
     RankContext,
     RankRun,
+    StopRequested,
     slot_for,
 )
 from .context import _activated
@@ -540,6 +541,9 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
             else contextlib.nullcontext(),
         ):
             value = _run_in_slot(fn, args, kwargs, spec, run, worker, slot)
+    except StopRequested as exc:  # at a safe point before fn (or between its stages)
+        error = exc.error
+        raise exc.error from None
     except BaseException as exc:
         error = exc
         raise
@@ -554,7 +558,6 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
     return value
 
 
-@contextlib.contextmanager
 def _group_made(run: RankRun, slot: ProcessSlot, links: frozenset[int]) -> None:
     """The rank's process group (its own, or one its script or framework made) opened
     ``links``: a stop shuts them down (one asked while the group was being made does it
@@ -566,6 +569,7 @@ def _group_made(run: RankRun, slot: ProcessSlot, links: frozenset[int]) -> None:
         _process.sever(links)
 
 
+@contextlib.contextmanager
 def _process_settings(spec: RankSpec) -> Iterator[None]:
     """What a rank sets for its whole process while it runs, restored after it."""
     with (
@@ -633,7 +637,9 @@ def _run_in_slot(
         ):
             return fn(*args, **kwargs)
     except BaseException as exc:
-        if run.stop_reason is not None:  # its collective failed on the severed links
+        if run.stop_reason is not None:  # a safe point, or a collective on severed links
+            if isinstance(exc, StopRequested):
+                raise exc.error from None
             if isinstance(exc, RankStoppedError):
                 raise
             raise RankStoppedError(

@@ -519,4 +519,3 @@ def test_a_worker_after_a_failed_init_runs_the_next_job(client: Client) -> None:
     assert client.run(_as_after_a_failed_init, workers=[first])[first] >= 1
     job = dask_ddp.launch(client, _seen_by_rank, args=("after",), timeout=30)
     assert [o["sum"] for o in job.result(timeout=120)] == [3.0, 3.0]
-
