@@ -62,6 +62,7 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         UnsafeCheckpointError,
         UnsafeResultPathError,
         UnsupportedCollectionError,
+        WireVersionError,
         WorkerBusyError,
         WorkerLostError,
     )
@@ -120,6 +121,7 @@ _WHERE = {
     "UnsafeCheckpointError": "errors",
     "UnsafeResultPathError": "errors",
     "UnsupportedCollectionError": "errors",
+    "WireVersionError": "errors",
     "WorkerBusyError": "errors",
     "WorkerLostError": "errors",
     "Job": "job",
@@ -210,6 +212,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsafeResultPathError",
     "UnsupportedCollectionError",
+    "WireVersionError",
     "WorkerBusyError",
     "WorkerLostError",
     "__version__",

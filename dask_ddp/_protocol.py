@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import msgpack
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from .errors import WIRE_VERSION, WireVersionError
 from .placement import RankPlacement
 
 __all__ = [
@@ -55,7 +56,6 @@ __all__ = [
     "Restore",
     "Told",
     "Verdict",
-    "WireVersionError",
     "acall",
     "call",
     "dataset_name",
@@ -71,23 +71,7 @@ __all__ = [
 ]
 
 #: The version of the records below; a reader takes records of this version or older.
-VERSION = 1
-
-
-class WireVersionError(ValueError):
-    """A record of a newer version than this side of the cluster knows (two dask-ddp
-    versions on one cluster)."""
-
-    def __init__(self, kind: str, version: Any) -> None:
-        super().__init__(kind, version)
-        self.kind, self.version = kind, version
-
-    def __str__(self) -> str:
-        return (
-            f"a {self.kind} record of version {self.version} arrived, but this dask-ddp reads "
-            f"up to version {VERSION}: install the same dask-ddp on the client, the scheduler "
-            "and the workers"
-        )
+VERSION = WIRE_VERSION
 
 
 def _check_version(kind: str, data: dict[str, Any]) -> None:

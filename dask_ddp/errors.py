@@ -52,6 +52,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsafeResultPathError",
     "UnsupportedCollectionError",
+    "WireVersionError",
     "WorkerBusyError",
     "WorkerLostError",
 ]
@@ -654,6 +655,33 @@ class SchedulerPluginError(InfrastructureError, RuntimeError):
             "torch) where the scheduler runs, and start it with `dask scheduler --preload "
             "dask_ddp` where plugins cannot be registered at run time."
         )
+
+
+class WireVersionError(DaskDDPError, ValueError):
+    """A record of a newer version than this side of the cluster knows arrived: the client,
+    the scheduler and the workers run different versions of dask-ddp.
+
+    Examples
+    --------
+    >>> print(WireVersionError("rank outcome", 2))  # doctest: +ELLIPSIS
+    a rank outcome record of version 2 arrived, but this dask-ddp reads up to version 1: ...
+    """
+
+    def __init__(self, kind: str, version: Any) -> None:
+        super().__init__(kind, version)
+        self.kind, self.version = kind, version
+
+    def __str__(self) -> str:
+        return (
+            f"a {self.kind} record of version {self.version} arrived, but this dask-ddp reads "
+            f"up to version {WIRE_VERSION}: install the same dask-ddp on the client, the "
+            "scheduler and the workers"
+        )
+
+
+#: The version of the records that travel between client, scheduler and ranks
+#: (:mod:`dask_ddp._protocol`); here, where the error that names it lives.
+WIRE_VERSION = 1
 
 
 # -- the datasets' errors (dask_ddp.data) ----------------------------------------------------

@@ -37,7 +37,7 @@ from . import errors
 from ._launcher import Attempt, Launcher
 from ._ledger import CheckpointLedger, describe_sources, writer_rank
 from ._progress import Progress, view_state
-from ._protocol import RankOutcome, Told, WireVersionError, job_topic
+from ._protocol import RankOutcome, Told, job_topic
 from ._types import CheckpointInfo, JobSpec, JobState, Transition
 from .errors import (
     DaskDDPError,
@@ -46,6 +46,7 @@ from .errors import (
     RankStoppedError,
     ScaleTimeoutError,
     TooManyResizesError,
+    WireVersionError,
     WorkerLostError,
 )
 from .placement import WorkerInfo, order_workers
