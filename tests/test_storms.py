@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+import dask
 import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -23,7 +24,8 @@ import storms  # noqa: E402
 @pytest.mark.slow
 def test_a_cancel_storm_never_strands_the_cluster() -> None:
     said: list[str] = []
-    with storms.cpu_load(2):
+    # A spinning rank's worker is restarted after ddp.failure-grace: 1 s here, not 5.
+    with storms.cpu_load(2), dask.config.set({"ddp.failure-grace": "1s"}):
         results = storms.run_cancel_storm(20, seed=1, say=said.append)
     assert len(results) == 20, said
     # Every kind of moment was hit: while placed or gathering, and while training.
