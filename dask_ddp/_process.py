@@ -141,7 +141,9 @@ def groups_watched(on_links: Callable[[frozenset[int]], None], ignore: set[int])
     """While the block runs, every ``torch.distributed.init_process_group`` in this process
     (the rank's own, a script's, Lightning's or accelerate's) tells ``on_links`` the sockets
     its group opened (:func:`process_group_links`, Dask's ports ``ignore`` left out), and
-    names the group as in a fresh process (:func:`fresh_group_names`). Restored afterwards.
+    names the group as in a fresh process (:func:`fresh_group_names`); every
+    ``destroy_process_group`` of the default group tells it there are none any more (their
+    fds are closed then, and may be reused by other sockets). Restored afterwards.
 
     >>> with groups_watched(print, set()):
     ...     pass
@@ -149,21 +151,29 @@ def groups_watched(on_links: Callable[[frozenset[int]], None], ignore: set[int])
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    original = dist.init_process_group
+    init, destroy = dist.init_process_group, dist.destroy_process_group
 
-    @functools.wraps(original)
+    @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         before = socket_fds()
         fresh_group_names()
-        result = original(*args, **kwargs)
+        result = init(*args, **kwargs)
         on_links(process_group_links(before, ignore))
         return result
 
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> Any:
+        if group is None or group is c10d.GroupMember.WORLD:
+            on_links(frozenset())
+        return destroy(group)
+
     dist.init_process_group = c10d.init_process_group = init_process_group
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
     try:
         yield
     finally:
-        dist.init_process_group = c10d.init_process_group = original
+        dist.init_process_group = c10d.init_process_group = init
+        dist.destroy_process_group = c10d.destroy_process_group = destroy
 
 
 def dask_ports(worker: Any) -> set[int]:

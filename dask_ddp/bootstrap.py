@@ -274,17 +274,17 @@ def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> It
         yield run
     finally:
         # The process is clean before the task returns: the scheduler gives the worker to
-        # the next task, or the next job, as soon as it sees the task end.
+        # the next task, or the next job, as soon as it sees the task end. The slot itself
+        # is released by run_rank, last.
         if slot.current() is run:
             try:
                 with slot.lock:
                     run.links = frozenset()  # closed with the group: never shut down again
-                _release_process_group()
+                run.leftover = _release_process_group()
             except Exception:  # the next rank starts anyway: its own init says what is wrong
                 logger.warning(
                     "job %s: rank %d's teardown failed", run.job_id, run.rank, exc_info=True
                 )
-        slot.release(run)
 
 
 def _torchrun_env(spec: RankSpec) -> dict[str, str]:
@@ -542,8 +542,7 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         ):
             value = _run_in_slot(fn, args, kwargs, spec, run, worker, slot)
     except StopRequested as exc:  # at a safe point before fn (or between its stages)
-        error = exc.error
-        raise exc.error from None
+        error = exc.stopped()
     except BaseException as exc:
         error = exc
         raise
@@ -553,6 +552,12 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         # result. Never raises: on success its error is raised below, after a failure the
         # rank's own error wins.
         undelivered = channel.close(outcome_of(value, error))
+        # Last: the destroyed group's C++ teardown (10-40 ms for gloo) runs on a thread of
+        # its own while the task returns, and the next rank here waits for it.
+        leftover, run.leftover = run.leftover, None
+        slot.release(run, leftover)
+    if error is not None:  # stopped at a safe point before fn: raised here, out of the handler
+        raise error
     if undelivered is not None:
         raise undelivered
     return value
@@ -639,7 +644,7 @@ def _run_in_slot(
     except BaseException as exc:
         if run.stop_reason is not None:  # a safe point, or a collective on severed links
             if isinstance(exc, StopRequested):
-                raise exc.error from None
+                raise exc.stopped() from None
             if isinstance(exc, RankStoppedError):
                 raise
             raise RankStoppedError(
@@ -690,16 +695,21 @@ def _checkpointing(
     return saver, resumer
 
 
-def _release_process_group() -> None:
+def _release_process_group() -> Any:
     """Leave the process as the next task expects it: the rank's CUDA work finished, the
     default process group destroyed if the rank (or its script) left one, and the next
     group named as in a fresh process (see :func:`_process.fresh_group_names`). Runs before
-    the rank's task returns: the scheduler gives the worker other work only then."""
+    the rank's task returns: the scheduler gives the worker other work only then (a plain
+    task finds no process group). Returns the destroyed group's object: its C++ teardown
+    is left to :meth:`ProcessSlot.release <dask_ddp._slot.ProcessSlot.release>`."""
     import torch
     import torch.distributed as dist
 
+    leftover = None
     if torch.cuda.is_initialized():  # the rank's kernels finish before its worker is free
         torch.cuda.synchronize()
     if dist.is_initialized():
+        leftover = dist.group.WORLD
         dist.destroy_process_group()
     _process.fresh_group_names()
+    return leftover

@@ -144,6 +144,7 @@ class Supervisor:
         self._restored: tuple[str | None, int | None] = (None, None)
         self._wait_kind: lc.WaitKind | None = None
         self._version = 0  # of the last message to the clients (they ignore older ones)
+        self._soon: asyncio.TimerHandle | None = None  # a message due (_publish_soon)
 
     @property
     def state(self) -> JobState:
@@ -196,7 +197,7 @@ class Supervisor:
                 return
             self.progress.end(rank, outcome.describe())
             self.feed(lc.RankEnded(a.number, rank, outcome))
-            self._publish()  # every client's view says how the rank ended, as decided here
+            self._publish_soon()  # every client's view says how the rank ended, as decided here
 
     def _told(self, a: Attempt, rank: int, told: Told) -> None:
         if told.last is not None:
@@ -372,21 +373,21 @@ class Supervisor:
             attempt = await self.launcher.prepare(
                 action.attempt, workers, can_grow=len(workers) < self.size.max_workers
             )
-        except OSError as exc:  # a worker left while it was probed: the pool forgot it
-            alive = all(w in self.plugin.scheduler.workers for w in workers)
+        except Exception as exc:
+            # A worker that left while it was probed (the pool forgot it) is tried again
+            # without it; anything else fails the job: a backend without GPUs, a dataset
+            # partition lost for good, or a bug (logged with its traceback).
+            retry = not all(w in self.plugin.scheduler.workers for w in workers)
+            if not retry and not isinstance(exc, DaskDDPError):
+                logger.exception("dask-ddp job %s: placing it failed", self.job_id)
+            why = (
+                first_line(exc) if isinstance(exc, DaskDDPError) else f"{type(exc).__name__}: {exc}"
+            )
             self.feed(
                 lc.ActionFailed(
-                    lc.ActionKind.PLACE,
-                    action.attempt,
-                    error=exc,
-                    retry=not alive,
-                    why=f"{type(exc).__name__}: {exc}",
+                    lc.ActionKind.PLACE, action.attempt, error=exc, retry=retry, why=why
                 )
             )
-            return
-        except DaskDDPError as exc:  # a backend without GPUs, a dataset partition lost
-            why = first_line(exc)
-            self.feed(lc.ActionFailed(lc.ActionKind.PLACE, action.attempt, error=exc, why=why))
             return
         last = self.attempt
         if last is not None:
@@ -687,8 +688,19 @@ class Supervisor:
 
     def _publish(self) -> None:
         """Tell every client following the job (its topic's subscribers) where it is."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         self._version += 1
         self.plugin.scheduler.log_event(self.topic, self.public_state())
+
+    def _publish_soon(self) -> None:
+        """:meth:`_publish` within ``ddp.event-flush-interval``, once for everything that
+        changed meanwhile (each state message costs the scheduler and every client: ranks
+        that end one by one must not send one each)."""
+        if self._soon is None:
+            interval = self.settings.event_flush_interval
+            self._soon = asyncio.get_running_loop().call_later(interval, self._publish)
 
     def public_state(self) -> dict[str, Any]:
         """The job as clients see it (msgpack-able): state, placement, history, error."""

@@ -8,7 +8,6 @@ Tests that kill or restart workers start their own cluster instead.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import struct
@@ -16,12 +15,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import boto3
 import pytest
 import torch
 from distributed import Client, LocalCluster
+from leftovers import clean_up, leftovers
 from moto.server import ThreadedMotoServer
 from processes import DaskProcesses
 
@@ -56,59 +55,14 @@ def client(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Cl
     with Client(cluster) as client:
         client.wait_for_workers(2, timeout="60s")
         yield client
-        left = _leftovers(client)
+        left = leftovers(client)
         if left:
-            _clean_up(client, left)
+            clean_up(client)
             pytest.fail(
                 f"{request.node.nodeid} left the shared cluster unclean: {'; '.join(left)} "
                 "(cancel or wait for its jobs before it ends; the cluster was cleaned up)",
                 pytrace=False,
             )
-
-
-def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
-    plugin = dask_scheduler.plugins.get("dask-ddp")
-    if plugin is None or plugin.pool is None:
-        return {"held": {}, "jobs": []}
-    jobs = [
-        [job.job_id, job.spec.name, job.state.value]
-        for job in plugin.jobs.values()
-        if not job.stopped.is_set()
-    ]
-    return {"held": dict(plugin.pool.holder), "jobs": jobs}
-
-
-def _busy_rank(seconds: float) -> str | None:
-    from dask_ddp._slot import PROCESS
-
-    if PROCESS.wait_idle(seconds):
-        return None
-    run = PROCESS.current()
-    return run.key if run is not None else "?"
-
-
-def _leftovers(client: Client) -> list[str]:
-    """What a test left on the shared cluster: running jobs, held workers, busy ranks."""
-    left = []
-    state = client.run_on_scheduler(_held_and_running)
-    for job_id, name, job_state in state["jobs"]:
-        left.append(f"job {job_id} ({name}) still {job_state}")
-    for worker, holder in state["held"].items():
-        left.append(f"worker {worker} held by {holder}")
-    for worker, key in client.run(_busy_rank, 5).items():
-        if key is not None:
-            left.append(f"worker {worker} still runs rank task {key}")
-    return left
-
-
-def _clean_up(client: Client, left: list[str]) -> None:
-    from dask_ddp import _cluster
-
-    for job_id, _, _ in client.run_on_scheduler(_held_and_running)["jobs"]:
-        with contextlib.suppress(Exception):
-            _cluster.cancel_job(client, job_id, "left running by a test")
-    if _leftovers(client):
-        client.restart(wait_for_workers=True)
 
 
 @pytest.fixture

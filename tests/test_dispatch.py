@@ -519,3 +519,23 @@ def test_a_worker_after_a_failed_init_runs_the_next_job(client: Client) -> None:
     assert client.run(_as_after_a_failed_init, workers=[first])[first] >= 1
     job = dask_ddp.launch(client, _seen_by_rank, args=("after",), timeout=30)
     assert [o["sum"] for o in job.result(timeout=120)] == [3.0, 3.0]
+
+
+def _report_forever() -> None:
+    step = 0
+    while True:  # a safe point each step: report() raises once the job is stopped
+        dask_ddp.report({"step": step}, step=step)
+        step += 1
+        time.sleep(0.01)
+
+
+def test_a_rank_stopped_at_a_safe_point_says_why_on_its_future(client: Client) -> None:
+    job = dask_ddp.launch(client, _report_forever)
+    job.view_state(lambda s: all(r["step"] is not None for r in s["ranks"]), timeout=60)
+    pids = client.run(os.getpid)
+    job.cancel("stopped by the test")
+    for future in job.futures:  # each one says why, whichever is read (never a pickling error)
+        error = future.exception(timeout=30)
+        assert isinstance(error, dask_ddp.RankStoppedError), repr(error)
+        assert "stopped by the test" in str(error)
+    assert client.run(os.getpid) == pids  # stopped in place: no worker was restarted

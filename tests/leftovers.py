@@ -1,0 +1,56 @@
+"""What a test left on the shared cluster (running jobs, held workers, busy rank
+processes), and how the ``client`` fixture cleans it up. A module of its own, not
+conftest: its functions run on the scheduler and the workers (``Client.run``), which must
+import them by a name no other module shares (the repository's root has a conftest too)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from distributed import Client
+
+
+def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
+    plugin = dask_scheduler.plugins.get("dask-ddp")
+    if plugin is None or plugin.pool is None:
+        return {"held": {}, "jobs": []}
+    jobs = [
+        [job.job_id, job.spec.name, job.state.value]
+        for job in plugin.jobs.values()
+        if not job.stopped.is_set()
+    ]
+    return {"held": dict(plugin.pool.holder), "jobs": jobs}
+
+
+def _busy_rank(seconds: float) -> str | None:
+    from dask_ddp._slot import PROCESS
+
+    if PROCESS.wait_idle(seconds):
+        return None
+    run = PROCESS.current()
+    return run.key if run is not None else "?"
+
+
+def leftovers(client: Client) -> list[str]:
+    """What a test left on the shared cluster: running jobs, held workers, busy ranks."""
+    left = []
+    state = client.run_on_scheduler(_held_and_running)
+    for job_id, name, job_state in state["jobs"]:
+        left.append(f"job {job_id} ({name}) still {job_state}")
+    for worker, holder in state["held"].items():
+        left.append(f"worker {worker} held by {holder}")
+    for worker, key in client.run(_busy_rank, 5).items():
+        if key is not None:
+            left.append(f"worker {worker} still runs rank task {key}")
+    return left
+
+
+def clean_up(client: Client) -> None:
+    from dask_ddp import _cluster
+
+    for job_id, _, _ in client.run_on_scheduler(_held_and_running)["jobs"]:
+        with contextlib.suppress(Exception):
+            _cluster.cancel_job(client, job_id, "left running by a test")
+    if leftovers(client):
+        client.restart(wait_for_workers=True)
