@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -380,6 +381,16 @@ def test_errors_before_anything_runs(client: Client) -> None:
     with pytest.raises(dask_ddp.PlacementError, match="more ranks than the cluster has workers"):
         dask_ddp.launch(client, _seen_by_rank, args=("x",), workers=3)
     assert client.run(_worker_state)  # nothing was started
+
+
+def test_a_refused_launch_leaves_no_log_with_the_payload(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The LocalCluster's scheduler runs in this process: whatever it logs, a notebook shows.
+    with caplog.at_level(logging.DEBUG), pytest.raises(dask_ddp.PlacementError):
+        dask_ddp.launch(client, _seen_by_rank, args=("x",), workers=["tcp://nowhere:1"])
+    logged = caplog.text
+    assert "Run Failed" not in logged and "payload" not in logged and "JobSpec" not in logged
 
 
 def test_no_workers() -> None:
