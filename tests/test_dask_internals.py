@@ -87,8 +87,10 @@ def test_call_peer_each_hands_over_every_answer_with_its_index_and_stops_when_to
         assert done and sorted(got) == [(i, f"PIECE {i}") for i in range(9)]
         stop = client.submit(_call_peer_each, workers[1], 2, workers=[workers[0]], pure=False)
         done, got = stop.result(timeout=30)
-        # stopped: the calls in flight when it was told may still land, no new one starts
-        assert not done and (2, "PIECE 2") in got and len(got) <= 5
+        # stopped: the calls in flight when it was told (at most window - 1 = 2 others) may
+        # still land, in any order; no new one starts
+        assert not done and (2, "PIECE 2") in got
+        assert len(got) - got.index((2, "PIECE 2")) - 1 <= 2, got
     finally:
         client.run(_serve_echo, False)
 
