@@ -11,10 +11,20 @@ from typing import Any
 from distributed import Client
 
 
-def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
+async def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
+    """The jobs still running and the workers held, once the jobs whose end was decided
+    (``stopping``: a test that read a failure's error from ``result()`` is done with them)
+    had up to a minute to give their workers back."""
+    import asyncio
+
     plugin = dask_scheduler.plugins.get("dask-ddp")
     if plugin is None or plugin.pool is None:
         return {"held": {}, "jobs": []}
+    ending = [
+        job.stopped.wait() for job in plugin.jobs.values() if job.state.value == "stopping"
+    ]
+    if ending:
+        await asyncio.wait([asyncio.ensure_future(e) for e in ending], timeout=60)
     jobs = [
         [job.job_id, job.spec.name, job.state.value]
         for job in plugin.jobs.values()
