@@ -261,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=int, default=2, help="CPU-busy processes beside (2)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from _common import header
+    from _common import command_line, versions
 
-    print(header("storms"))
+    print(command_line())
+    print(versions("dask", "distributed", "dask-ddp"))
     print(f"{args.cancel} cancel rounds, {args.kill} kill rounds, {args.load} CPU-busy processes")
     try:
         with cpu_load(args.load):
