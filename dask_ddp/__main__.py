@@ -170,8 +170,8 @@ TORCHRUN_OPTIONS = (
     ),
     TorchrunOption(
         ("--virtual-local-rank", "--virtual_local_rank"), None, "ignored",
-        "each rank's GPU is cuda:0 already (CUDA_VISIBLE_DEVICES rotated); LOCAL_RANK keeps "
-        "its value",
+        "each rank's GPU is cuda:LOCAL_RANK, as torchrun places it without the flag (the "
+        "frameworks index by LOCAL_RANK); LOCAL_RANK keeps its value",
     ),
     TorchrunOption(
         ("--print-completion", "--print_completion"), "SHELL", "ignored",
