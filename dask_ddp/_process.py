@@ -5,6 +5,8 @@ Each one reaches below Python's usual abstractions, and each was needed on the r
 - :func:`children_allowed`: let a daemonic Dask worker start DataLoader worker processes.
 - :func:`platform_start_method`: start them the way they start under torchrun (fork on
   Linux before Python 3.14), not with the spawn that a Dask worker inherits.
+- :func:`inherited_objects_frozen`: a forked child leaves the objects it inherited out of
+  its garbage collection.
 - :func:`socket_fds`, :func:`process_group_links`, :func:`sever`: find the sockets that
   ``init_process_group`` opened and shut them down, so gloo's peers fail in milliseconds;
   :func:`groups_watched`: find them for a group a script or a framework makes itself.
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import multiprocessing
 import os
 import socket
 import stat
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,6 +36,7 @@ __all__ = [
     "dask_ports",
     "fresh_group_names",
     "groups_watched",
+    "inherited_objects_frozen",
     "is_peer_loss",
     "platform_start_method",
     "process_group_links",
@@ -85,6 +90,47 @@ def platform_start_method() -> Iterator[None]:
     finally:
         if was != default:
             multiprocessing.set_start_method(was, force=True)
+
+
+class _ForkFreeze:
+    """How many blocks want forked children frozen; the fork hook is registered once (a
+    process cannot unregister one)."""
+
+    lock = threading.Lock()
+    depth = 0
+    registered = False
+
+    @classmethod
+    def after_in_child(cls) -> None:
+        if cls.depth:
+            gc.freeze()
+
+
+@contextlib.contextmanager
+def inherited_objects_frozen() -> Iterator[None]:
+    """Have a process forked while the block runs (a DataLoader worker) start with every
+    object it inherited frozen (:func:`gc.freeze`): its garbage collector never visits them.
+
+    A Dask worker forks from a process where other threads run (the event loop, its
+    profiler, gloo's): a forked DataLoader worker of a rank once died of a segmentation
+    fault in its first collection, visiting what it had inherited. Python's documentation
+    recommends the same for a fork without exec: the pages of the inherited objects are
+    not written by the child's collector, so they stay shared with the parent. Objects the
+    child makes are collected as usual; inherited ones live as long as the child.
+
+    >>> with inherited_objects_frozen():
+    ...     pass
+    """
+    with _ForkFreeze.lock:
+        if not _ForkFreeze.registered:
+            os.register_at_fork(after_in_child=_ForkFreeze.after_in_child)
+            _ForkFreeze.registered = True
+        _ForkFreeze.depth += 1
+    try:
+        yield
+    finally:
+        with _ForkFreeze.lock:
+            _ForkFreeze.depth -= 1
 
 
 def socket_fds() -> set[int]:

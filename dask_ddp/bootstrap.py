@@ -582,6 +582,7 @@ def _process_settings(spec: RankSpec) -> Iterator[None]:
         _thread_share(spec),
         _process.children_allowed(spec.allow_daemon_children),
         _process.platform_start_method(),
+        _process.inherited_objects_frozen(),
         _malloc.tuned(spec.tune_malloc),
     ):
         yield

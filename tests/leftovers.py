@@ -13,15 +13,17 @@ from distributed import Client
 
 async def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
     """The jobs still running and the workers held, once the jobs whose end was decided
-    (``stopping``: a test that read a failure's error from ``result()`` is done with them)
-    had up to a minute to give their workers back."""
+    (``stopping``, or a final state whose clean-up still runs: a test that read a failure's
+    error from ``result()`` is done with them) had up to a minute to end."""
     import asyncio
 
     plugin = dask_scheduler.plugins.get("dask-ddp")
     if plugin is None or plugin.pool is None:
         return {"held": {}, "jobs": []}
     ending = [
-        job.stopped.wait() for job in plugin.jobs.values() if job.state.value == "stopping"
+        job.stopped.wait()
+        for job in plugin.jobs.values()
+        if job.state.value == "stopping" or job.state.final
     ]
     if ending:
         await asyncio.wait([asyncio.ensure_future(e) for e in ending], timeout=60)

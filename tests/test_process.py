@@ -128,3 +128,30 @@ def test_platform_start_method_undoes_what_a_spawned_worker_inherits() -> None:
     proc.join(60)
     default = multiprocessing.get_all_start_methods()[0]
     assert outcome == ("spawn", default, "spawn")
+
+
+def _freeze_count_of_a_forked_child() -> int:
+    import gc
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: what its collector leaves alone, then out at once
+        os.write(write, str(gc.get_freeze_count()).encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        return int(os.read(read, 64))
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_inherited_objects_frozen_in_a_child_forked_inside_the_block_only() -> None:
+    import gc
+
+    assert gc.get_freeze_count() == 0  # this process has frozen nothing itself
+    with _process.inherited_objects_frozen(), _process.inherited_objects_frozen():
+        assert _freeze_count_of_a_forked_child() > 1000  # every object it inherited
+    assert _freeze_count_of_a_forked_child() == 0
+    assert gc.get_freeze_count() == 0  # the parent's own collection is untouched

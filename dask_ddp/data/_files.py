@@ -102,6 +102,7 @@ class FileDataset(Dataset):
         so that Python's full garbage collections skip the ~460,000 objects the worker
         inherits with torch (each one otherwise takes 0.2-0.3 s and stalls the worker,
         about once per 2,000 objects read from S3). Never done in the rank's own process.
+        (A worker a dask-ddp rank forks is frozen at the fork whatever this says.)
 
     Raises
     ------
