@@ -656,9 +656,12 @@ class _Step:
         self.progress()
 
     def on_WorkerLost(self, fact: WorkerLost) -> None:
+        """A rank never runs twice: what it left on a worker that left (its value, or its
+        task not started) fails its future, in a job that runs or one that ended. Dask
+        would compute it again on a worker back at that address (a fixed port)."""
         life = self.life
         self.set(held=life.held - {fact.worker})
-        if life.phase not in (Phase.RUNNING, Phase.STOPPING):
+        if life.phase not in (Phase.RUNNING, Phase.STOPPING, Phase.ENDED):
             return
         stopped = life.ending.why if life.ending is not None else None
         for r, rank in enumerate(life.ranks):

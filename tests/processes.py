@@ -98,10 +98,13 @@ class DaskProcesses:
             with Client(self.address) as client:
                 client.wait_for_workers(n_workers, timeout=120)
 
-    def add_worker(self) -> Output:
+    def add_worker(self, worker_port: int | None = None) -> Output:
+        """One more worker; ``worker_port`` fixes its port, as deployments often do (then a
+        worker its nanny restarts comes back at the same address)."""
+        port = [] if worker_port is None else ["--worker-port", str(worker_port)]
         return Output(
             [sys.executable, "-m", "dask", "worker", self.address, "--nthreads", "1",
-             "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"],
+             "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0", *port],
             self.env,
         )  # fmt: skip
 

@@ -27,6 +27,7 @@ import pytest
 from distributed import Client, Event, LocalCluster
 from distributed.comm import get_address_host
 from distributed.security import Security
+from distributed.utils_test import poll_for
 from processes import DaskProcesses, Output
 
 import dask_ddp
@@ -304,3 +305,45 @@ def _get(dashboard_link: str, path: str) -> str:
 
 def _get_json(dashboard_link: str, path: str) -> dict[str, Any]:
     return json.loads(_get(dashboard_link, path))
+
+
+# -- workers at fixed ports ----------------------------------------------------------------
+def _rank_number() -> int:
+    return dask_ddp.get_context().rank
+
+
+def _task_states(keys: list[str], dask_scheduler=None) -> list[str | None]:
+    return [getattr(dask_scheduler.tasks.get(k), "state", None) for k in keys]
+
+
+def test_a_finished_rank_never_runs_again_where_its_worker_comes_back() -> None:
+    # Deployments often fix a worker's port (dask worker --worker-port, a pod that comes back
+    # at its address): a worker restarted there is, to the scheduler, where a lost value may
+    # be computed again. A rank never runs twice: its value went with the worker, and its
+    # future says so.
+    cluster = DaskProcesses(0)
+    try:
+        cluster.workers = [cluster.add_worker(worker_port=_free_port()) for _ in range(2)]
+        with Client(cluster.address) as client:
+            client.wait_for_workers(2, timeout=120)
+            job = dask_ddp.launch(client, _rank_number)
+            assert job.result(timeout=120) == [0, 1]
+            keys = [f.key for f in job.futures]
+            victim = job.workers[1]
+            pid = client.run(os.getpid, workers=[victim])[victim]
+            os.kill(pid, signal.SIGKILL)
+
+            def back() -> bool:  # a new process, at the same address
+                with contextlib.suppress(Exception):
+                    now = client.run(os.getpid, workers=[victim]).get(victim)
+                    return isinstance(now, int) and now != pid
+                return False
+
+            poll_for(back, timeout=120, period=0.2)
+            assert client.run_on_scheduler(_task_states, keys) == ["memory", "erred"]
+            with pytest.raises(dask_ddp.WorkerLostError) as lost:
+                job.result(timeout=60)
+            assert lost.value.finished
+            assert dask_ddp.launch(client, _rank_number).result(timeout=120) == [0, 1]
+    finally:
+        cluster.close()

@@ -370,9 +370,23 @@ class World:
         if life.state is JobState.STOPPING and life.phase is not lc.Phase.STOPPING:
             raise InvariantBroken(f"'stopping' published while the job is {life.phase}")
         if before.phase is lc.Phase.ENDED:
-            allowed = (lc.Release,)
+            allowed = (lc.Release, lc.FailTask)  # a lost rank's future fails after the end too
             if any(not isinstance(a, allowed) for a in actions):
                 raise InvariantBroken(f"an ended job acted: {actions}")
+        if isinstance(fact, lc.WorkerLost) and life.phase in (
+            lc.Phase.RUNNING,
+            lc.Phase.STOPPING,
+            lc.Phase.ENDED,
+        ):
+            # Dask would compute a task left there again on a worker back at that address.
+            failed = {a.rank for a in actions if isinstance(a, lc.FailTask)}
+            for r, rank in enumerate(before.ranks if before.ranks else ()):
+                left = rank.worker == fact.worker and not rank.lost and rank.task != "erred"
+                if left and r not in failed and before.phase is not lc.Phase.PLACING:
+                    raise InvariantBroken(
+                        f"rank {r}'s task was left on {fact.worker}, which left, in {life.phase}: "
+                        "a worker back at its address would run it again"
+                    )
         if life.restarts_left < 0:
             raise InvariantBroken("restarts below zero")
         restarts = sum(p.state is JobState.RESTARTING for p in self.published)
@@ -459,6 +473,12 @@ def _sequence(seed: int) -> None:
             world.settle(cooperate=True)
         if world.life.held or world.held():
             raise InvariantBroken("the job ended holding workers")
+        # After the end, a worker of its last attempt leaves (a fixed-port worker may come
+        # back at its address): what a rank left there fails its future, nothing else moves.
+        used = sorted({r.worker for r in world.life.ranks} & world.cluster)
+        if used:
+            world.kill(rng.choice(used), replace=False)
+            world.run_queue()
     except InvariantBroken as exc:
         raise InvariantBroken(_explain(world, exc)) from None
 
