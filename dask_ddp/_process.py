@@ -112,8 +112,8 @@ def inherited_objects_frozen() -> Iterator[None]:
     object it inherited frozen (:func:`gc.freeze`): its garbage collector never visits them.
 
     A Dask worker forks from a process where other threads run (the event loop, its
-    profiler, gloo's): a forked DataLoader worker of a rank once died of a segmentation
-    fault in its first collection, visiting what it had inherited. Python's documentation
+    profiler, gloo's): a forked DataLoader worker of a rank died of a segmentation fault in
+    two CI runs, the second in its collector, in its first batch. Python's documentation
     recommends the same for a fork without exec: the pages of the inherited objects are
     not written by the child's collector, so they stay shared with the parent. Objects the
     child makes are collected as usual; inherited ones live as long as the child.
