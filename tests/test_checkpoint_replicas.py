@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import Iterator
 
+import dask
 import pytest
 import torch
 from distributed import Client, LocalCluster
@@ -71,9 +72,15 @@ def _train(
 
 @pytest.fixture(scope="module")
 def killing_cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-    ) as cluster:
+    # Its tests kill a worker each, seconds apart: SpecCluster closes a worker's nanny
+    # lost-worker-timeout after a removal if no worker of that name is there just then, which
+    # a worker killed again while it restarts hits (a job then waited for good for 2 workers).
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "1 hour"}),
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+    ):
         yield cluster
 
 
