@@ -282,7 +282,9 @@ def _device_choices(gpu_count: int) -> dict:
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = value.split(",") if value is not None else [str(i) for i in range(gpu_count)]
     # accelerate (PartialState.set_device): cuda:(local_process_index % device_count()).
-    # Without CUDA it takes the CPU path, which reads the same LOCAL_RANK.
+    # Without CUDA it takes the CPU path, which reads the same LOCAL_RANK. Its state is a
+    # per-process singleton: an earlier job's rank on this worker may have left one.
+    PartialState._reset_state()
     state = PartialState(cpu=True)
     try:
         accelerate = state.local_process_index % len(visible)
