@@ -303,7 +303,10 @@ class ProcessSlot:
             timer = threading.Timer(LEFTOVER_DELAY, self._let_go)
             timer.daemon = True
             timer.start()
-        self._free_slot(run)
+        with self._free:
+            if self.run is run:
+                self.run = None
+                self._free.notify_all()
 
     def _let_go(self) -> None:
         """Let the destroyed process groups of the ranks before go: their C++ teardown runs
@@ -311,12 +314,6 @@ class ProcessSlot:
         with self._free:
             leftovers, self._leftovers = self._leftovers, []
         leftovers.clear()  # the last references
-
-    def _free_slot(self, run: RankRun) -> None:
-        with self._free:
-            if self.run is run:
-                self.run = None
-                self._free.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no rank holds this process (its teardown included); False on timeout.
