@@ -108,13 +108,23 @@ class Cluster:
     """A scheduler process and ``ranks`` lanes in ``processes`` processes."""
 
     def __init__(self, ranks: int, processes: int, tmp: str, resolver: dict[str, str]) -> None:
-        self.tmp, self.procs = tmp, []
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []  # the scheduler first, then the lanes
+        self.client: Client | None = None
+        try:
+            self._start(ranks, processes, tmp, resolver)
+        except BaseException:
+            self.close()  # a scheduler or lanes that started must not outlive a failed start
+            raise
+
+    def _start(self, ranks: int, processes: int, tmp: str, resolver: dict[str, str]) -> None:
         sched_file = os.path.join(tmp, "scheduler.json")
         self.scheduler = subprocess.Popen(
             [sys.executable, "-m", "dask", "scheduler", "--scheduler-file", sched_file,
              "--port", "0", "--dashboard-address", ":0", "--preload", "dask_ddp"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(resolver),
         )  # fmt: skip
+        self.procs.append(self.scheduler)
         deadline = time.monotonic() + 120
         while not os.path.exists(sched_file):
             if time.monotonic() > deadline or self.scheduler.poll() is not None:
@@ -142,16 +152,21 @@ class Cluster:
     def pids(self) -> dict[str, list[psutil.Process]]:
         return {
             "scheduler": [psutil.Process(self.scheduler.pid)],
-            "lanes": [psutil.Process(p.pid) for p in self.procs],
+            "lanes": [psutil.Process(p.pid) for p in self.procs[1:]],
             "client": [psutil.Process()],
         }
 
     def close(self) -> None:
-        self.client.close()
-        for proc in [*self.procs, self.scheduler]:
+        if self.client is not None:
+            self.client.close()
+        for proc in reversed(self.procs):  # the lanes, then the scheduler
             proc.terminate()
-        for proc in [*self.procs, self.scheduler]:
-            proc.wait(timeout=60)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _cpu(procs: list[psutil.Process]) -> float:
