@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -370,7 +371,16 @@ def _thread_share(spec: RankSpec) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _connect_store(spec: RankSpec, slot: ProcessSlot = PROCESS) -> Any:
+def _connect_store(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> Any:
+    """The job's store, for this rank: rank 0 takes the one its worker opened; the others
+    connect to it, within the rendezvous timeout.
+
+    The connection is tried in slices of :data:`_CONNECT_SLICE` seconds, with a safe point
+    (:meth:`~dask_ddp._slot.RankRun.check_stop`) between them: a rank of a job stopped
+    while it connects (its store closed by the abort, or gone with rank 0's worker) stops
+    within a slice, instead of sitting in C++ until the rendezvous timeout and costing its
+    worker a restart.
+    """
     import torch.distributed as dist
 
     rdzv = spec.rendezvous
@@ -386,21 +396,32 @@ def _connect_store(spec: RankSpec, slot: ProcessSlot = PROCESS) -> Any:
                 "(the worker restarted after launch, or the job was cancelled)",
             )
         return store
-    try:
-        return dist.TCPStore(
-            spec.rendezvous.master_addr,
-            spec.rendezvous.master_port,
-            is_master=False,
-            timeout=timedelta(seconds=spec.rendezvous.rendezvous_timeout),
-        )
-    except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
-        raise RendezvousTimeoutError(
-            spec.placement.rank,
-            spec.placement.worker,
-            spec.key,
-            spec.rendezvous.rendezvous_timeout,
-            f"could not reach rank 0's store at {rdzv.master_addr}:{rdzv.master_port} ({exc})",
-        ) from exc
+    deadline = time.monotonic() + rdzv.rendezvous_timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store = dist.TCPStore(
+                rdzv.master_addr,
+                rdzv.master_port,
+                is_master=False,
+                timeout=timedelta(seconds=max(min(_CONNECT_SLICE, left), 0.1)),
+            )
+        except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
+            run.check_stop()
+            if time.monotonic() < deadline:
+                continue
+            raise RendezvousTimeoutError(
+                spec.placement.rank,
+                spec.placement.worker,
+                spec.key,
+                rdzv.rendezvous_timeout,
+                f"could not reach rank 0's store at {rdzv.master_addr}:{rdzv.master_port} ({exc})",
+            ) from exc
+        store.set_timeout(timedelta(seconds=rdzv.rendezvous_timeout))  # its waits' default
+        return store
+
+
+_CONNECT_SLICE = 1.0  # seconds per try to reach rank 0's store (then a safe point)
 
 
 def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined") -> None:
@@ -601,7 +622,7 @@ def _run_in_slot(
     import torch.distributed as dist
 
     p = spec.placement
-    store = run.store = _connect_store(spec, slot)  # kept until the task ends, for slow peers
+    store = run.store = _connect_store(spec, run, slot)  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
     run.check_stop()
     device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect

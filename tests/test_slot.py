@@ -126,3 +126,36 @@ def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> 
     ):
         ran.append(True)
     assert ran == [] and PROCESS.current() is None  # never ran, and the slot is free again
+
+
+def test_a_rank_stopped_while_it_connects_to_a_gone_store_stops_there() -> None:
+    import socket
+
+    from dask_ddp import bootstrap
+    from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
+    from dask_ddp._slot import StopRequested
+    from dask_ddp.placement import RankPlacement
+
+    # Rank 0's store is gone (closed by the abort, or with its worker): rank 1 connects to
+    # a port nothing listens on. Stopped meanwhile, it stops at the next try, a safe point,
+    # instead of sitting in C++ for the whole rendezvous timeout (and costing its worker a
+    # restart): StopRequested, never the RendezvousTimeoutError of the timeout.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    placement = RankPlacement(1, 0, 2, 0, 1, "tcp://w:1", "w", False, None)
+    spec = RankSpec(
+        job_id="gone-store", run_id="gone-store", key="dask-ddp-gone-store-rank-1", attempt=0,
+        placement=placement, rendezvous=Rendezvous("gloo", "127.0.0.1", port, 60, 20),
+        events=EventPlan("dask-ddp-gone-store"),
+    )  # fmt: skip
+    slot, run = ProcessSlot(), _run("gone-store", 1)
+    assert slot.claim(run, timeout=1)
+    stopper = threading.Timer(0.5, slot.stop, args=("gone-store", "cancelled by the user", None))
+    stopper.start()
+    try:
+        with pytest.raises(StopRequested, match="cancelled by the user"):
+            bootstrap._connect_store(spec, run, slot)
+    finally:
+        stopper.join()
+        slot.release(run)
