@@ -436,7 +436,9 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
     count, ready = f"dask-ddp/{stage}", f"dask-ddp/{stage}-ready"
     reached = store.add(count, 1)
     if reached == world:
-        store.set(ready, "1")
+        # Unless an abort released the waiters first: every rank reads the same word, so
+        # that all of them go on, or all stop.
+        store.compare_set(ready, "", "1")
     elif stage == "joined":
         _status.send(
             run, _status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)"
@@ -624,9 +626,14 @@ def _run_in_slot(
     p = spec.placement
     store = run.store = _connect_store(spec, run, slot)  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
-    run.check_stop()
+    if not spec.rendezvous.init_process_group:
+        run.check_stop()
     device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:
+        # No safe point between the rendezvous and the group: once all ranks joined, all
+        # make it, even if a stop came meanwhile (they stop at the next rendezvous). A rank
+        # that stopped here would leave a peer already inside init_process_group waiting
+        # in C++ for it until the group's timeout, and cost that worker a restart.
         dist.init_process_group(
             spec.rendezvous.backend,
             store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),

@@ -159,3 +159,32 @@ def test_a_rank_stopped_while_it_connects_to_a_gone_store_stops_there() -> None:
     finally:
         stopper.join()
         slot.release(run)
+
+
+def test_ranks_released_by_an_abort_all_stop_at_the_rendezvous_even_the_last_to_join() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dask_ddp import bootstrap
+    from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
+    from dask_ddp.placement import RankPlacement
+
+    # The abort released the rendezvous before every rank joined. The last rank to join
+    # must read that word too, not write "all joined" over it: had it gone on into
+    # init_process_group alone, it would wait there in C++ for the others until the
+    # group's timeout, and its worker be restarted.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    bootstrap._release_waiters(("127.0.0.1", store.port))
+
+    def rank(r: int) -> RankSpec:
+        placement = RankPlacement(r, 0, 2, 0, 1, "tcp://w:1", "w", False, None)
+        return RankSpec(
+            job_id="released", run_id="released", key=f"dask-ddp-released-rank-{r}", attempt=0,
+            placement=placement, rendezvous=Rendezvous("gloo", "127.0.0.1", store.port, 60, 20),
+            events=EventPlan("dask-ddp-released"),
+        )  # fmt: skip
+
+    for r in (0, 1):  # rank 1 is the last to join
+        with pytest.raises(dask_ddp.RankStoppedError, match="stopped while ranks gathered"):
+            bootstrap._rendezvous(store, rank(r), _run("released", r))
