@@ -626,8 +626,6 @@ def _run_in_slot(
     p = spec.placement
     store = run.store = _connect_store(spec, run, slot)  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
-    if not spec.rendezvous.init_process_group:
-        run.check_stop()
     device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:
         # No safe point between the rendezvous and the group: once all ranks joined, all
@@ -642,7 +640,7 @@ def _run_in_slot(
             timeout=timedelta(seconds=spec.rendezvous.timeout),
         )
         _rendezvous(store, spec, run, "initialised")
-        run.check_stop()
+    run.check_stop()
     _status.send(run, _status.RUNNING)
     ctx = RankContext(
         rank=p.rank,
