@@ -8,12 +8,24 @@ import pytest
 import torch
 
 import dask_ddp
+from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
 from dask_ddp._slot import PROCESS, CheckpointSettings, ProcessSlot, RankContext, RankRun
 from dask_ddp.context import _activated
+from dask_ddp.placement import RankPlacement
 
 
 def _run(job: str = "3f2a", rank: int = 0) -> RankRun:
     return RankRun(job, f"dask-ddp-{job}-rank-{rank}", rank)
+
+
+def _spec(job: str, rank: int = 0, world: int = 1, host: str = "w", port: int = 1) -> RankSpec:
+    """Rank ``rank``'s spec of a ``world``-rank job whose store is at ``host:port``."""
+    placement = RankPlacement(rank, 0, world, 0, 1, "tcp://w:1", "w", False, None)
+    return RankSpec(
+        job_id=job, run_id=job, key=f"dask-ddp-{job}-rank-{rank}", attempt=0,
+        placement=placement, rendezvous=Rendezvous("gloo", host, port, 60, 20),
+        events=EventPlan(f"dask-ddp-{job}"),
+    )  # fmt: skip
 
 
 def test_a_second_run_queues_until_the_first_releases() -> None:
@@ -106,19 +118,12 @@ def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None
 
 def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> None:
     from dask_ddp import bootstrap
-    from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
-    from dask_ddp.placement import RankPlacement
 
     # The client stops a job whose task the worker has started but whose rank has not
     # claimed the slot yet: nothing to abort now, so the stop is remembered.
     assert bootstrap.abort_rank("late-job", "cancelled by the user") is False
     assert PROCESS.stopped_before_start("late-job") == ("cancelled by the user", None)
-    placement = RankPlacement(0, 0, 1, 0, 1, "tcp://w:1", "w", False, None)
-    spec = RankSpec(
-        job_id="late-job", run_id="late-job", key="dask-ddp-late-job-rank-0", attempt=0,
-        placement=placement, rendezvous=Rendezvous("gloo", "w", 1, 60, 5),
-        events=EventPlan("dask-ddp-late-job"),
-    )  # fmt: skip
+    spec = _spec("late-job")
     ran = []
     with (
         pytest.raises(dask_ddp.RankStoppedError, match="cancelled by the user"),
@@ -132,9 +137,7 @@ def test_a_rank_stopped_while_it_connects_to_a_gone_store_stops_there() -> None:
     import socket
 
     from dask_ddp import bootstrap
-    from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
     from dask_ddp._slot import StopRequested
-    from dask_ddp.placement import RankPlacement
 
     # Rank 0's store is gone (closed by the abort, or with its worker): rank 1 connects to
     # a port nothing listens on. Stopped meanwhile, it stops at the next try, a safe point,
@@ -143,12 +146,7 @@ def test_a_rank_stopped_while_it_connects_to_a_gone_store_stops_there() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    placement = RankPlacement(1, 0, 2, 0, 1, "tcp://w:1", "w", False, None)
-    spec = RankSpec(
-        job_id="gone-store", run_id="gone-store", key="dask-ddp-gone-store-rank-1", attempt=0,
-        placement=placement, rendezvous=Rendezvous("gloo", "127.0.0.1", port, 60, 20),
-        events=EventPlan("dask-ddp-gone-store"),
-    )  # fmt: skip
+    spec = _spec("gone-store", rank=1, world=2, host="127.0.0.1", port=port)
     slot, run = ProcessSlot(), _run("gone-store", 1)
     assert slot.claim(run, timeout=1)
     stopper = threading.Timer(0.5, slot.stop, args=("gone-store", "cancelled by the user", None))
@@ -167,8 +165,6 @@ def test_ranks_released_by_an_abort_all_stop_at_the_rendezvous_even_the_last_to_
     import torch.distributed as dist
 
     from dask_ddp import bootstrap
-    from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
-    from dask_ddp.placement import RankPlacement
 
     # The abort released the rendezvous before every rank joined. The last rank to join
     # must read that word too, not write "all joined" over it: had it gone on into
@@ -176,15 +172,7 @@ def test_ranks_released_by_an_abort_all_stop_at_the_rendezvous_even_the_last_to_
     # group's timeout, and its worker be restarted.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     bootstrap._release_waiters(("127.0.0.1", store.port))
-
-    def rank(r: int) -> RankSpec:
-        placement = RankPlacement(r, 0, 2, 0, 1, "tcp://w:1", "w", False, None)
-        return RankSpec(
-            job_id="released", run_id="released", key=f"dask-ddp-released-rank-{r}", attempt=0,
-            placement=placement, rendezvous=Rendezvous("gloo", "127.0.0.1", store.port, 60, 20),
-            events=EventPlan("dask-ddp-released"),
-        )  # fmt: skip
-
     for r in (0, 1):  # rank 1 is the last to join
+        spec = _spec("released", rank=r, world=2, host="127.0.0.1", port=store.port)
         with pytest.raises(dask_ddp.RankStoppedError, match="stopped while ranks gathered"):
-            bootstrap._rendezvous(store, rank(r), _run("released", r))
+            bootstrap._rendezvous(store, spec, _run("released", r))
