@@ -30,6 +30,18 @@ def remove_worker_handler(worker: Any, name: str) -> None:
     worker.handlers.pop(name, None)
 
 
+def stand_in_for_worker(worker: Any) -> None:
+    """Make ``worker`` (a rank process's :class:`dask_ddp._rankproc.WorkerStandIn`) what
+    ``distributed.get_worker()`` returns in this thread, so that ``get_client()`` and Dask
+    objects unpickled here (``distributed.Event``, ``Variable``, ``Future``) find a client.
+
+    Private: ``distributed.worker._worker_cvar``, the context variable ``get_worker`` reads.
+    """
+    from distributed import worker as _worker
+
+    _worker._worker_cvar.set(worker)
+
+
 def call_peer(worker: Any, address: str, handler: str, timeout: float | None, **kwargs: Any) -> Any:
     """Call the RPC ``handler`` (one a worker plugin added) of the worker at ``address``
     from a thread of ``worker`` (a rank's), worker to worker, and wait for the answer at

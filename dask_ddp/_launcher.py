@@ -202,6 +202,7 @@ class Launcher:
                 threads_per_rank=settings.threads_per_rank,
                 allow_daemon_children=settings.allow_daemon_children,
                 tune_malloc=settings.tune_malloc,
+                failure_grace=settings.failure_grace,
                 can_grow=can_grow,
                 datasets=shares[p.rank],
             )

@@ -462,6 +462,8 @@ class RankSpec:
         An elastic job below its size: the ranks may stop at a checkpoint to grow.
     datasets : dict or None
         Its share of ``launch(datasets=)`` (keys and row ranges, no data).
+    failure_grace : float
+        Seconds a stopped rank's process has between SIGTERM and SIGKILL.
     """
 
     job_id: str
@@ -477,6 +479,7 @@ class RankSpec:
     threads_per_rank: int | None = None  # ddp.threads-per-rank
     allow_daemon_children: bool = True  # ddp.allow-daemon-children
     tune_malloc: bool = True  # ddp.tune-malloc
+    failure_grace: float = 5.0  # ddp.failure-grace: a stopped rank's SIGTERM to SIGKILL
     can_grow: bool = False
     datasets: dict[str, Any] | None = None
 

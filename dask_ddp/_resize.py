@@ -41,7 +41,10 @@ def at_checkpoint(run: RankRun, rank: int, step: int, timeout: float) -> None:
     """
     key = _word(step)
     if rank == 0:
-        grow = this_slot().take_grow_request(run.job_id)
+        if run.relay is not None:  # a rank in its own process: its worker was asked
+            grow = run.relay.call("grow")
+        else:
+            grow = this_slot().take_grow_request(run.job_id)
         if grow and run.saver is not None:
             run.saver.flush()
         run.store.set(key, _GROW if grow else _GO)

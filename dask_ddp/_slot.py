@@ -27,7 +27,6 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _process
 from ._protocol import CheckpointPlan
 from .errors import RankStoppedError
 
@@ -162,9 +161,6 @@ class RankRun:
         the rank raises :class:`~dask_ddp.RankStoppedError` at its next safe point.
     stop_failed_rank : int or None
         The rank whose failure made the supervisor stop this one, if one did.
-    links : frozenset of int
-        Socket fds the process group opened (gloo), shut down on failure or stop while the
-        group lives; emptied before the group is destroyed (the fds are closed then).
     store : torch.distributed.TCPStore or None
         The job's store as this rank holds it (rank 0's listens): kept while the task runs.
     context : RankContext or None
@@ -184,6 +180,10 @@ class RankRun:
         go (its C++ teardown is slow).
     pid : int
         The process the run belongs to (a forked DataLoader worker is another).
+    process : dask_ddp._rankproc.RankProcess or None
+        In the worker: the rank's own process, which a stop ends.
+    relay : dask_ddp._rankproc.RankLink or None
+        In the rank's process: its link to its task in the worker.
     """
 
     job_id: str
@@ -195,7 +195,6 @@ class RankRun:
     stop_reason: str | None = None
     stop_failed_rank: int | None = None
     stop_raised: bool = False
-    links: frozenset[int] = frozenset()
     store: Any = None
     context: RankContext | None = None
     checkpointing: CheckpointSettings | None = None
@@ -206,15 +205,15 @@ class RankRun:
     on_end: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     pid: int = dataclasses.field(default_factory=os.getpid)
     leftover: Any = None  # the rank's destroyed process group, let go by release()
+    process: Any = None  # in the worker: the rank's own process (_rankproc.RankProcess)
+    relay: Any = None  # in the rank's process: its link to the task (_rankproc.RankLink)
 
     def check_stop(self) -> None:
         """A safe point: raise :class:`StopRequested` if the supervisor asked this rank to
         stop, the first time only (cleanup code that reports on its way out, in a
-        ``finally``, is not stopped again). Ranks are only ever stopped here, from their own
-        thread, or by a collective failing on its severed links, never by an exception
-        raised into them from outside (that leaves the process half-way through whatever it
-        did: an import, torch's process-group bookkeeping), so a stopped rank's process can
-        run the next rank."""
+        ``finally``, is not stopped again). In a rank's own process the SIGTERM of a stop
+        calls it from the main thread, wherever the rank is (the process ends anyway); a
+        lane is only stopped at dask-ddp's own calls."""
         if self.stop_reason is not None and not self.stop_raised:
             self.stop_raised = True
             raise StopRequested(self.rank, self.stop_reason, self.job_id, self.stop_failed_rank)
@@ -236,7 +235,7 @@ class ProcessSlot:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()  # guards run, stores, and a run's stop and links
+        self.lock = threading.Lock()  # guards run, stores, and a run's stop
         self._free = threading.Condition(self.lock)
         self.run: RankRun | None = None
         self._stores: dict[str, Any] = {}
@@ -291,8 +290,6 @@ class ProcessSlot:
         connections and joining threads, without the GIL) then runs once the task's end has
         been reported (begun at once, it delayed that report by 25-35 ms on 2 cores).
         """
-        with self._free:
-            run.links = frozenset()
         self.take_grow_request(run.job_id)  # a request that came too late dies with the run
         while run.on_end:
             run.on_end.pop()()
@@ -342,8 +339,10 @@ class ProcessSlot:
                 return None
             if active.stop_reason is None:
                 active.stop_reason, active.stop_failed_rank = reason, failed_rank
-            _process.sever(active.links)
-            return active
+            process = active.process
+        if process is not None:  # its own process: SIGTERM, then SIGKILL after the grace
+            process.stop(reason, failed_rank)
+        return active
 
     def put_store(self, job_id: str, store: Any) -> None:
         """Keep the TCPStore opened for ``job_id`` until its rank 0 takes it."""

@@ -191,6 +191,10 @@ async def probe_worker(
     loop = asyncio.get_running_loop()
     slot = slot_for(dask_worker)
     gpus = await loop.run_in_executor(None, _gpu_count)
+    if slot is PROCESS:  # the template the rank's process forks from, started beside
+        from . import _rankproc
+
+        await loop.run_in_executor(None, _rankproc.warm)
     port = None
     if dask_worker.address == store_worker:
         port = await loop.run_in_executor(
@@ -270,22 +274,8 @@ def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> It
     if not slot.claim(run, spec.rendezvous.rendezvous_timeout, on_wait=queued):
         holder = slot.current()
         raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
-    try:
-        check_stopped()
-        yield run
-    finally:
-        # The process is clean before the task returns: the scheduler gives the worker to
-        # the next task, or the next job, as soon as it sees the task end. The slot itself
-        # is released by run_rank, last.
-        if slot.current() is run:
-            try:
-                with slot.lock:
-                    run.links = frozenset()  # closed with the group: never shut down again
-                run.leftover = _release_process_group()
-            except Exception:  # the next rank starts anyway: its own init says what is wrong
-                logger.warning(
-                    "job %s: rank %d's teardown failed", run.job_id, run.rank, exc_info=True
-                )
+    check_stopped()
+    yield run
 
 
 def _torchrun_env(spec: RankSpec) -> dict[str, str]:
@@ -340,20 +330,6 @@ def _interface_of(address: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _patched_environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
-
-
-@contextlib.contextmanager
 def _thread_share(spec: RankSpec) -> Iterator[None]:
     import torch
 
@@ -371,7 +347,9 @@ def _thread_share(spec: RankSpec) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _connect_store(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> Any:
+def _connect_store(
+    spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS, own_store: bool = True
+) -> Any:
     """The job's store, for this rank: rank 0 takes the one its worker opened; the others
     connect to it, within the rendezvous timeout.
 
@@ -384,7 +362,7 @@ def _connect_store(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) ->
     import torch.distributed as dist
 
     rdzv = spec.rendezvous
-    if spec.placement.rank == 0:
+    if spec.placement.rank == 0 and own_store:
         store = slot.take_store(spec.run_id)
         if store is None:
             raise RendezvousTimeoutError(
@@ -522,18 +500,18 @@ def _first_failure(
 
 
 def run_rank(payload: bytes, spec: RankSpec) -> Any:
-    """The rank task: set up, run the job's function, tear down.
+    """The rank task: start the rank's own process, relay what it sends, return its value.
 
     ``payload`` is ``(fn, args, kwargs)`` as the launching client pickled it; it is
-    unpickled here, on the rank, and nowhere else (the scheduler only holds the bytes).
-    Re-raises the function's own exception unchanged on the rank that failed first; a rank
-    that fails because another one did raises :class:`~dask_ddp.errors.RankStoppedError`.
+    unpickled in the rank's process and nowhere else (the scheduler only holds the bytes,
+    and the worker never runs the user's code). Re-raises the function's own exception on
+    the rank that failed first; a rank that fails because another one did raises
+    :class:`~dask_ddp.errors.RankStoppedError`. In a process hosting lanes (simulated
+    ranks, :mod:`dask_ddp._lanes`) the rank runs in the task's thread instead.
     """
     from distributed import get_worker
 
-    fn, args, kwargs = cloudpickle.loads(payload)
     p = spec.placement
-    kwargs = {**kwargs, "local_rank": p.local_rank} if spec.pass_local_rank else kwargs
     worker = get_worker()
     # The channel opens first: the rank's phases (queued, joining) travel on it too.
     channel = events.RankChannel(
@@ -552,18 +530,21 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         master=(spec.rendezvous.master_addr, spec.rendezvous.master_port),
     )
     slot = slot_for(worker)
-    value, error = None, None
+    value, error, outcome = None, None, None
     try:
-        with (
-            _claim_slot(spec, run, slot),
-            _process_settings(spec) if slot is PROCESS else contextlib.nullcontext(),
-            _process.groups_watched(
-                functools.partial(_group_made, run, slot), _process.dask_ports(worker)
-            )
-            if slot is PROCESS
-            else contextlib.nullcontext(),
-        ):
-            value = _run_in_slot(fn, args, kwargs, spec, run, worker, slot)
+        with _claim_slot(spec, run, slot):
+            if slot is PROCESS:
+                value, error, outcome = _run_process(payload, spec, run, worker, slot)
+            else:
+                fn, args, kwargs = cloudpickle.loads(payload)
+                if spec.pass_local_rank:
+                    kwargs = {**kwargs, "local_rank": p.local_rank}
+                peer = _replicas.PeerLink(worker, spec.job_id)
+
+                def memory() -> tuple[int, int]:
+                    return _replicas.process_memory(), _replicas.memory_limit(worker)
+
+                value = _run_in_slot(fn, args, kwargs, spec, run, peer, memory, slot)
     except StopRequested as exc:  # at a safe point before fn (or between its stages)
         error = exc.stopped()
     except BaseException as exc:
@@ -574,41 +555,161 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         # finishes, so the supervisor and the clients have every record when they see the
         # result. Never raises: on success its error is raised below, after a failure the
         # rank's own error wins.
-        undelivered = channel.close(outcome_of(value, error))
-        # Last: the destroyed group's C++ teardown (10-40 ms for gloo) runs on a thread of
-        # its own while the task returns, and the next rank here waits for it.
+        undelivered = channel.close(outcome or outcome_of(value, error))
         leftover, run.leftover = run.leftover, None
         slot.release(run, leftover)
-    if error is not None:  # stopped at a safe point before fn: raised here, out of the handler
+    if error is not None:  # raised here, out of the handler
         raise error
     if undelivered is not None:
         raise undelivered
     return value
 
 
-def _group_made(run: RankRun, slot: ProcessSlot, links: frozenset[int]) -> None:
-    """The rank's process group (its own, or one its script or framework made) opened
-    ``links``: a stop shuts them down (one asked while the group was being made does it
-    now, so that its peers do not wait on it)."""
-    with slot.lock:
-        run.links = links
-        stopped = run.stop_reason is not None
-    if stopped:
-        _process.sever(links)
+def _run_process(
+    payload: bytes, spec: RankSpec, run: RankRun, worker: Any, slot: ProcessSlot
+) -> tuple[Any, BaseException | None, RankOutcome]:
+    """Run the rank in a process of its own (:mod:`dask_ddp._rankproc`), serving what it
+    asks of this worker; rank 0's store stays here, in the worker, until the rank ends."""
+    from . import _rankproc
+
+    store = None
+    if spec.placement.rank == 0:
+        store = slot.take_store(spec.run_id)
+        if store is None:
+            raise RendezvousTimeoutError(
+                0,
+                spec.placement.worker,
+                spec.key,
+                0,
+                "the job's store is gone from this worker "
+                "(the worker restarted after launch, or the job was cancelled)",
+            )
+    run.store = store
+    peer = _replicas.PeerLink(worker, spec.job_id)
+
+    def on_start(process: _rankproc.RankProcess) -> None:
+        with slot.lock:
+            run.process = process
+            reason, failed_rank = run.stop_reason, run.stop_failed_rank
+        if reason is not None:  # stopped while it started
+            process.stop(reason, failed_rank)
+
+    handlers = {
+        "grow": lambda: slot.take_grow_request(spec.run_id),
+        "memory": lambda: (_replicas.process_memory(), _replicas.memory_limit(worker)),
+        "replica_put": peer.put,
+        "replica_fetch": lambda *args: _rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
+        "dataset_load": _load_dataset_window,
+    }
+    return _rankproc.run(
+        payload, spec, worker, channel=run.channel, handlers=handlers, on_start=on_start,
+        grace=spec.failure_grace,
+    )  # fmt: skip
 
 
-@contextlib.contextmanager
-def _process_settings(spec: RankSpec) -> Iterator[None]:
-    """What a rank sets for its whole process while it runs, restored after it."""
-    with (
-        _patched_environ(_torchrun_env(spec)),
-        _thread_share(spec),
-        _process.children_allowed(spec.allow_daemon_children),
-        _process.platform_start_method(),
-        _process.inherited_objects_frozen(),
-        _malloc.tuned(spec.tune_malloc),
-    ):
-        yield
+def _as_bytes(data: Any) -> Any:
+    """A fetched replica (bytes, or a uint8 tensor) as a buffer to send, None if missing."""
+    if data is None:
+        return b""
+    if hasattr(data, "numpy"):
+        return data.numpy()
+    return data
+
+
+def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> tuple[Any, dict[str, float]]:
+    """A window of a Dask collection's partitions, read in the worker for its rank's
+    process, and the counts the read made."""
+    from .data import _collection_shard
+
+    counts: dict[str, float] = {}
+
+    def count(name: str, n: float) -> None:
+        counts[name] = counts.get(name, 0) + n
+
+    data, _ = _collection_shard._Fetcher(plan, count).load(pieces, fmt)
+    return data, counts
+
+
+def run_in_process(payload: bytes, spec: RankSpec, link: Any) -> Any:
+    """The rank, in its own process (:func:`dask_ddp._rankproc._rank_main`): the torchrun
+    environment and thread share set before anything starts, then :func:`_run_in_slot`."""
+    import signal
+
+    os.environ.update(_torchrun_env(spec))
+    run = RankRun(
+        spec.run_id,
+        spec.key,
+        spec.placement.rank,
+        channel=link,
+        master=(spec.rendezvous.master_addr, spec.rendezvous.master_port),
+    )
+    run.relay = link
+
+    def told(reason: str, failed_rank: int | None) -> None:
+        with PROCESS.lock:
+            if run.stop_reason is None:
+                run.stop_reason, run.stop_failed_rank = reason, failed_rank
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # The task tells why before it signals; a SIGTERM from elsewhere stops it too.
+        link.stop_told.wait(1.0)
+        told(f"the rank's process received signal {signum} (SIGTERM)", None)
+        run.check_stop()
+
+    link.on_stop = told
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if link.stop is not None:
+        told(*link.stop)
+    PROCESS.claim(run, 0)
+    from .data import _collection_shard
+
+    _collection_shard.load_through_worker(functools.partial(link.call, "dataset_load"))
+    try:
+        run.check_stop()
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if spec.pass_local_rank:
+            kwargs = {**kwargs, "local_rank": spec.placement.local_rank}
+        peer = _RelayedPeer(link)
+        with (
+            _thread_share(spec),
+            _process.platform_start_method(),
+            _malloc.tuned(spec.tune_malloc),
+        ):
+            value = _run_in_slot(
+                fn, args, kwargs, spec, run, peer, lambda: link.call("memory"), PROCESS,
+                own_store=False,
+            )  # fmt: skip
+        _end_process_group()  # after a failure the process just ends, as under torchrun
+        return value
+    except StopRequested as exc:
+        raise exc.stopped() from None
+
+
+class _RelayedPeer:
+    """:class:`~dask_ddp._replicas.PeerLink` for a rank in its own process: the calls go to
+    its worker, which holds the connections (and this process's replica store)."""
+
+    def __init__(self, link: Any) -> None:
+        self._link = link
+
+    def put(self, *args: Any) -> str | None:
+        return self._link.call("replica_put", *args)
+
+    def fetch(self, *args: Any) -> Any:
+        buffer = self._link.call("replica_fetch", *args)
+        return buffer if len(buffer) else None
+
+
+def _end_process_group() -> None:
+    """A rank's process ends: its CUDA work finished and its group destroyed (nccl's
+    communicators flushed), as torchrun's workers end."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _run_in_slot(
@@ -617,14 +718,21 @@ def _run_in_slot(
     kwargs: dict,
     spec: RankSpec,
     run: RankRun,
-    worker: Any,
+    peer: Any,
+    memory: Callable[[], tuple[int, int]],
     slot: ProcessSlot,
+    own_store: bool = True,
 ) -> Any:
-    """Join the process group and run ``fn`` in ``run``, which holds ``slot``."""
+    """Join the process group and run ``fn`` in ``run``, which holds ``slot``; ``peer``
+    reaches the replica stores, ``memory()`` is the worker's memory and its limit.
+    ``own_store``: rank 0 takes the store its process opened (a lane) rather than connect
+    to it (a rank in its own process: the store stays in the worker)."""
     import torch.distributed as dist
 
     p = spec.placement
-    store = run.store = _connect_store(spec, run, slot)  # kept until the task ends, for slow peers
+    store = run.store = _connect_store(
+        spec, run, slot, own_store
+    )  # kept until the task ends, for slow peers
     _rendezvous(store, spec, run)
     device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:
@@ -660,7 +768,7 @@ def _run_in_slot(
     checkpointing = CheckpointSettings.of(
         spec.checkpoint, spec.job_id, spec.rendezvous.timeout if spec.can_grow else None
     )
-    saver, resumer = _checkpointing(checkpointing, ctx, run, worker)
+    saver, resumer = _checkpointing(checkpointing, ctx, run, peer, memory)
     try:
         with (
             _activated(run, ctx, checkpointing, spec.datasets, saver, resumer),
@@ -669,7 +777,7 @@ def _run_in_slot(
         ):
             return fn(*args, **kwargs)
     except BaseException as exc:
-        if run.stop_reason is not None:  # a safe point, or a collective on severed links
+        if run.stop_reason is not None:  # a safe point, or a collective with a peer gone
             if isinstance(exc, StopRequested):
                 raise exc.stopped() from None
             if isinstance(exc, RankStoppedError):
@@ -678,11 +786,9 @@ def _run_in_slot(
                 p.rank, run.stop_reason, job=spec.run_id, failed_rank=run.stop_failed_rank
             ) from exc
         first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
-        with slot.lock:
-            _process.sever(run.links)
         if isinstance(exc, _resize.GrowAtCheckpoint):
             # Every rank stops here (rank 0 recorded it first, for a rank that skipped the
-            # checkpoint call: its next collective fails on the severed links).
+            # checkpoint call: its next collective fails once the others' processes end).
             return Resized(exc.step)
         if first is not None:
             raise RankStoppedError(p.rank, first[1], failed_rank=first[0]) from exc
@@ -690,7 +796,11 @@ def _run_in_slot(
 
 
 def _checkpointing(
-    settings: CheckpointSettings, ctx: RankContext, run: RankRun, worker: Any
+    settings: CheckpointSettings,
+    ctx: RankContext,
+    run: RankRun,
+    peer: Any,
+    memory: Callable[[], tuple[int, int]],
 ) -> tuple[_saving.Saver | None, _resume.Resumer | None]:
     """What saves and loads the rank's checkpoints (None without ``checkpoint_dir``)."""
     if settings.directory is None:
@@ -701,14 +811,13 @@ def _checkpointing(
         if channel is not None:
             channel.put(kind, body, "save_checkpoint", urgent=True)
 
-    peer = _replicas.PeerLink(worker, settings.job)
     saver = _saving.Saver(
         settings,
         rank=ctx.rank,
         world_size=ctx.world_size,
         announce=announce,
         peer=peer,
-        memory=lambda: (_replicas.process_memory(), _replicas.memory_limit(worker)),
+        memory=memory,
         status=lambda text: _status.send(run, None, text),
     )
     resumer = _resume.Resumer(
@@ -720,23 +829,3 @@ def _checkpointing(
         announce=announce,
     )
     return saver, resumer
-
-
-def _release_process_group() -> Any:
-    """Leave the process as the next task expects it: the rank's CUDA work finished, the
-    default process group destroyed if the rank (or its script) left one, and the next
-    group named as in a fresh process (see :func:`_process.fresh_group_names`). Runs before
-    the rank's task returns: the scheduler gives the worker other work only then (a plain
-    task finds no process group). Returns the destroyed group's object: its C++ teardown
-    is left to :meth:`ProcessSlot.release <dask_ddp._slot.ProcessSlot.release>`."""
-    import torch
-    import torch.distributed as dist
-
-    leftover = None
-    if torch.cuda.is_initialized():  # the rank's kernels finish before its worker is free
-        torch.cuda.synchronize()
-    if dist.is_initialized():
-        leftover = dist.group.WORLD
-        dist.destroy_process_group()
-    _process.fresh_group_names()
-    return leftover

@@ -36,6 +36,7 @@ __all__ = [
     "NotInRankError",
     "NotPicklableError",
     "PlacementError",
+    "RankDiedError",
     "RankFailedError",
     "RankStoppedError",
     "RendezvousTimeoutError",
@@ -253,6 +254,41 @@ class RankFailedError(DaskDDPError):
         if self.rank_traceback:
             text += f":\n\n{self.rank_traceback.rstrip()}"
         return text
+
+
+class RankDiedError(DaskDDPError, RuntimeError):
+    """A rank's process ended without saying how (a signal, ``os._exit``, a crash in C or
+    the kernel's out-of-memory killer); its worker is unharmed. Raised on the rank's task,
+    and by the job like any rank's failure (``max_restarts=N`` restarts it).
+
+    Examples
+    --------
+    >>> print(RankDiedError(1, "tcp://10.0.0.7:40311", "ddp_train-rank1-3f2a", -9))
+    ... # doctest: +ELLIPSIS
+    rank 1's process died (killed by signal 9, SIGKILL) on worker tcp://10.0.0.7:40311 ...
+    """
+
+    def __init__(self, rank: int, worker: str, key: str, exitcode: int | None) -> None:
+        super().__init__(rank, worker, key, exitcode)
+        self.rank, self.worker, self.key, self.exitcode = rank, worker, key, exitcode
+
+    def __str__(self) -> str:
+        import signal
+
+        code = self.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by signal {-code}, {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit code {code}"
+        return (
+            f"rank {self.rank}'s process died ({how}) on worker {self.worker} (task {self.key}) "
+            "before it returned or raised. Its worker is unharmed. Look for an out-of-memory "
+            "kill in the host's kernel log or a crash in a C extension; max_restarts=N restarts "
+            "the job from its last checkpoint."
+        )
 
 
 class WorkerLostError(InfrastructureError):

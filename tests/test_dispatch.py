@@ -443,30 +443,33 @@ def test_dataloader_workers_inside_a_daemonic_worker(client: Client, context: st
     assert all(s["daemon"] for s in client.run(_worker_state).values())
 
 
-class _FreezeCounts(torch.utils.data.Dataset):
+class _ParentPids(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, i: int) -> int:
-        import gc
-
-        return gc.get_freeze_count()
+        return os.getppid()
 
 
-def _loader_freeze_counts() -> list[int]:
+def _rank_and_loader_pids() -> tuple[int, list[int]]:
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(_FreezeCounts(), batch_size=1, num_workers=2)  # forked on Linux
-    return [int(b) for b in loader]
+    loader = DataLoader(_ParentPids(), batch_size=1, num_workers=2)  # forked on Linux
+    return os.getpid(), [int(b) for b in loader]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="DataLoader workers fork on Linux")
-def test_a_rank_s_forked_loader_workers_leave_what_they_inherited_to_the_parent(
+def test_a_rank_runs_in_a_process_of_its_own_with_its_loader_workers_under_it(
     client: Client,
 ) -> None:
-    # Their collector never visits the worker's objects (one crashed doing so, in CI).
-    for counts in dask_ddp.launch(client, _loader_freeze_counts).result(timeout=120):
-        assert len(counts) == 4 and min(counts) > 1000
+    workers = client.run(os.getpid)
+    job = dask_ddp.launch(client, _rank_and_loader_pids)
+    pids = job.result(timeout=120)
+    for (rank_pid, loader_parents), worker in zip(pids, job.workers):
+        assert rank_pid != workers[worker]  # the worker never runs the user's code
+        assert set(loader_parents) == {rank_pid}
+    second = dask_ddp.launch(client, _rank_and_loader_pids).result(timeout=120)
+    assert {p for p, _ in second}.isdisjoint(p for p, _ in pids)  # fresh for each job
+    assert client.run(os.getpid) == workers  # and the workers are the same processes
 
 
 def test_public_names() -> None:

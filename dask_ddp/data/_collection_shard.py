@@ -403,20 +403,39 @@ def _check_batch_size(batch_size: int) -> None:
         raise ValueError(f"batch_size takes an int >= 1; got {batch_size!r}")
 
 
+#: In a rank's own process, how it asks its worker for a window's rows (the worker holds
+#: the partitions and the connections): ``load(plan, pieces, fmt) -> (rows, counts)``.
+#: Set once, by the rank's process for itself (:func:`dask_ddp.bootstrap.run_in_process`).
+_load_in_worker: Callable[..., tuple[Any, dict[str, float]]] | None = None
+
+
+def load_through_worker(load: Callable[..., tuple[Any, dict[str, float]]]) -> None:
+    """Read windows through ``load`` (a rank's link to its worker) in this process."""
+    global _load_in_worker
+    _load_in_worker = load
+
+
 class _Fetcher:
     """Reads pieces of partitions on a rank: from its own worker's memory when the
-    partition is there, else straight from the worker that holds it."""
+    partition is there, else straight from the worker that holds it. In a rank's own
+    process, its worker reads them for it (:func:`load_through_worker`)."""
 
     def __init__(self, plan: _ShardPlan, count: Callable[[str, float], None]) -> None:
-        from distributed import get_client, get_worker
-
         self._plan, self._count = plan, count
-        self._client, self._worker = get_client(), get_worker()
+        if _load_in_worker is None:
+            from distributed import get_client, get_worker
+
+            self._client, self._worker = get_client(), get_worker()
 
     def load(self, pieces: Sequence[_Piece], fmt: str) -> tuple[Any, bool]:
         """The window's rows, and whether they may share memory with a stored partition
         (a window of one piece: a view of it), so that the caller copies them before a
         training loop may modify them."""
+        if _load_in_worker is not None:  # a copy of the worker's: nothing shared
+            data, counts = _load_in_worker(self._plan, list(pieces), fmt)
+            for name, n in counts.items():
+                self._count(name, n)
+            return data, False
         parts = self._gather(pieces)
         chunks = []
         for piece in pieces:

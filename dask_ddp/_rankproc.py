@@ -1,0 +1,559 @@
+"""A rank's own process: started fresh for each attempt from its worker's template, linked
+to its Dask task by a pipe, stopped by ending its process tree, never its worker.
+
+The rank task (:func:`dask_ddp.bootstrap.run_rank`) stays a Dask task on its worker: it
+starts the rank's process (:func:`run`), relays what the process sends and returns its
+value. The worker never runs, or even unpickles, the user's function.
+
+- **The template.** Each worker keeps one ``multiprocessing`` forkserver that has imported
+  torch and dask-ddp and runs no threads; a rank's process is forked from it (tens of
+  milliseconds), so nothing a job leaves in a process (a half import, torch's group
+  counter, CUDA started under another ``CUDA_VISIBLE_DEVICES``, the worker's event loop
+  threads) reaches the next. The probe before a launch starts it (:func:`warm`).
+- **The link.** One duplex pipe: the process sends its records (``report()``, output
+  lines, status, checkpoint notes) as it makes them, each written to the pipe before the
+  call returns, so a killed process loses none; the task puts them on the rank's
+  :class:`~dask_ddp.events.RankChannel`, which batches them to the scheduler as before.
+  What the process needs of its worker (the replica stores of peers, the worker's
+  partitions of a Dask collection, a grow request) it asks over the same pipe
+  (:meth:`RankLink.call`); the task answers from a thread pool.
+- **The stop.** :meth:`RankProcess.stop` tells the process why, then sends SIGTERM to its
+  process group (the rank leads a group of its own: DataLoader workers and ``--no-python``
+  programs are in it); the rank's main thread turns it into
+  :class:`~dask_ddp._slot.StopRequested` at once. Whatever still lives after
+  ``ddp.failure-grace`` is killed (SIGKILL of the whole group). A peer waiting for a
+  killed rank in a collective fails at once: the rank's sockets are gone. A rank whose
+  worker dies kills its own group (the pipe closes).
+- **Stacks.** The process registers :mod:`faulthandler` on SIGUSR1, writing to a pipe its
+  task reads: :meth:`RankProcess.stacks` works while the rank is blocked in C++.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import faulthandler
+import logging
+import multiprocessing
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from ._protocol import RankOutcome, RankSpec, Verdict
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RankLink", "RankProcess", "WorkerStandIn", "run", "warm"]
+
+#: Modules the template imports once, so that a rank's process starts with them.
+PRELOAD = ["__main__", "torch", "torch.distributed", "dask_ddp.bootstrap", "dask_ddp._rankproc"]
+
+_template_lock = threading.Lock()
+
+
+def _context() -> Any:
+    """The worker's forkserver context, its preloads set before it first starts."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def warm() -> None:
+    """Start this worker's template (the forkserver) if it is not running: the first rank
+    then starts in milliseconds, not after the template's imports (1-3 s)."""
+    from multiprocessing import forkserver
+
+    _context()
+    with _template_lock:
+        forkserver.ensure_running()
+
+
+# -- the task's side, in the worker ---------------------------------------------------------
+
+
+class RankProcess:
+    """The worker's handle on a rank's process: stop it, ask its stacks.
+
+    Parameters
+    ----------
+    process : multiprocessing.Process
+        The rank's process, started.
+    conn : multiprocessing.connection.Connection
+        The task's end of the link.
+    stacks_fd : int
+        The read end of the pipe faulthandler writes the rank's stacks into.
+    grace : float
+        Seconds between SIGTERM and SIGKILL (``ddp.failure-grace``).
+    """
+
+    def __init__(self, process: Any, conn: Any, stacks_fd: int, grace: float) -> None:
+        self.process, self.conn, self.grace = process, conn, grace
+        self.pid: int = process.pid
+        self.group: int | None = None  # its process group, once the process leads one
+        self.stop_reason: str | None = None
+        self.killed = False
+        self._stacks_fd = stacks_fd
+        self._stacks_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def send(self, message: tuple) -> None:
+        """Send one message to the process; nothing if it is gone."""
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
+            self.conn.send(message)
+
+    def send_bytes(self, message: tuple, data: Any) -> None:
+        """Send a header, then ``data`` as raw bytes (the process reads it in place)."""
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
+            self.conn.send(message)
+            self.conn.send_bytes(data)
+
+    def _signal(self, sig: int) -> None:
+        with self._lock:
+            group = self.group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group is not None and group != os.getpgid(0):
+                os.killpg(group, sig)
+            else:  # not yet the leader of a group of its own: the process alone
+                os.kill(self.pid, sig)
+
+    def stop(self, reason: str, failed_rank: int | None) -> None:
+        """Stop the rank: tell it why, SIGTERM its process group, and SIGKILL the group
+        ``grace`` seconds later if anything of it still runs."""
+        with self._lock:
+            if self.stop_reason is not None:
+                return
+            self.stop_reason = reason
+        self.send(("stop", reason, failed_rank))
+        self._signal(signal.SIGTERM)
+        timer = threading.Timer(self.grace, self.kill)
+        timer.daemon = True
+        with self._lock:
+            self._timer = timer
+        timer.start()
+
+    def kill(self) -> None:
+        """SIGKILL whatever is left of the rank's process group."""
+        if self.process.exitcode is None:
+            self.killed = True
+        self._signal(signal.SIGKILL)
+
+    def ended(self) -> None:
+        """The rank's process ended: end what it left in its group, stop the timer."""
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        self._signal(signal.SIGKILL)  # DataLoader workers, a program's children: gone too
+        with contextlib.suppress(OSError):
+            os.close(self._stacks_fd)
+
+    def stacks(self, timeout: float = 2.0) -> str:
+        """Every thread's Python stack in the rank's process, as :mod:`faulthandler`
+        writes them ("" once it ended). Works while the rank is blocked in C++."""
+        with self._stacks_lock:
+            if self.process.exitcode is not None:
+                return ""
+            fd = self._stacks_fd
+            with contextlib.suppress(OSError):
+                while select.select([fd], [], [], 0)[0] and os.read(fd, 65536):
+                    pass  # what an earlier, timed-out call left
+            try:
+                os.kill(self.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                return ""
+            chunks: list[bytes] = []
+            deadline = time.monotonic() + timeout
+            wait = timeout
+            while True:
+                ready = select.select(
+                    [fd], [], [], max(0.0, min(wait, deadline - time.monotonic()))
+                )
+                if not ready[0]:
+                    break
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                chunks.append(data)
+                wait = 0.1  # the dump is written at once: it ended once the pipe is quiet
+            return b"".join(chunks).decode("utf-8", "replace")
+
+
+Handler = Callable[..., Any]
+
+
+def run(
+    payload: bytes,
+    spec: RankSpec,
+    worker: Any,
+    *,
+    channel: Any,
+    handlers: dict[str, Handler],
+    on_start: Callable[[RankProcess], None],
+    grace: float,
+) -> tuple[Any, BaseException | None, RankOutcome]:
+    """Run one rank in a process of its own and relay what it sends; return its value,
+    its error (None on success) and how it ended.
+
+    Parameters
+    ----------
+    payload : bytes
+        ``(fn, args, kwargs)`` as the client pickled them: unpickled in the rank's process.
+    spec : RankSpec
+        The rank's plan.
+    worker : distributed.Worker
+        The rank's worker (what its process's ``get_worker()`` stands in for).
+    channel : RankChannel
+        Where the rank's records go.
+    handlers : dict
+        What the process may ask of its worker, by name (:meth:`RankLink.call`).
+    on_start : callable
+        Called with the :class:`RankProcess` once it started (the slot records it, so
+        that a stop reaches it).
+    grace : float
+        Seconds between a stop's SIGTERM and SIGKILL.
+    """
+    ctx = _context()
+    task_end, rank_end = ctx.Pipe(duplex=True)
+    stacks_r, stacks_w = os.pipe()
+    process = ctx.Process(
+        target=_rank_main,
+        args=(rank_end, _Fd(stacks_w), payload, spec, WorkerStandIn.of(worker)),
+        name=f"dask-ddp-{spec.key}",
+        daemon=False,  # a rank starts DataLoader workers; its group ends with its task
+    )
+    from . import _process
+
+    try:
+        with _template_lock, _process.children_allowed(True):
+            process.start()
+    finally:
+        rank_end.close()
+        os.close(stacks_w)
+    handle = RankProcess(process, task_end, stacks_r, grace)
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"dask-ddp-link-{spec.key}")
+    ended: tuple[Any, BaseException | None, RankOutcome] | None = None
+    try:
+        on_start(handle)
+        ended = _relay(handle, channel, handlers, pool)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        if ended is None or process.exitcode is None:
+            process.join(grace if ended is not None else 0)
+            if process.exitcode is None:
+                handle.kill()
+                process.join()
+        handle.ended()
+        task_end.close()
+    if ended is not None:
+        return ended
+    return _lost(handle, spec)
+
+
+def _relay(
+    handle: RankProcess,
+    channel: Any,
+    handlers: dict[str, Handler],
+    pool: concurrent.futures.ThreadPoolExecutor,
+) -> tuple[Any, BaseException | None, RankOutcome] | None:
+    """Read the process's messages until its end message (returned) or until the link
+    closes without one (None: it died)."""
+    conn = handle.conn
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return None
+        kind = message[0]
+        if kind == "put":
+            _, record, body, caller, urgent = message
+            with contextlib.suppress(Exception):  # the channel says so at its close
+                channel.put(record, body, caller, urgent=urgent)
+        elif kind == "status":
+            channel.put_status(message[1], message[2])
+        elif kind == "call":
+            _, call_id, name, args = message
+            pool.submit(_answer, handle, handlers, call_id, name, args)
+        elif kind == "hello":
+            with handle._lock:
+                handle.group = message[1]
+            if handle.stop_reason is not None:  # stopped before it led its group
+                handle._signal(signal.SIGTERM)
+        elif kind == "end":
+            _, value, error, outcome = message
+            return _loaded(value), _loaded(error), RankOutcome.from_wire(outcome)
+
+
+def _answer(
+    handle: RankProcess, handlers: dict[str, Handler], call_id: int, name: str, args: tuple
+) -> None:
+    try:
+        value = handlers[name](*args)
+    except BaseException as exc:  # sent to the rank, which raises it
+        handle.send(("reply", call_id, False, cloudpickle.dumps(_picklable(exc))))
+        return
+    if isinstance(value, RawBytes):
+        handle.send_bytes(("reply-bytes", call_id, len(value.data)), value.data)
+    else:
+        handle.send(("reply", call_id, True, cloudpickle.dumps(value)))
+
+
+class RawBytes:
+    """A handler's answer sent as raw bytes, which the rank reads into a buffer of its own
+    (a replica: one copy, into memory the rank's tensors may share)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+
+def _loaded(data: bytes | None) -> Any:
+    return None if data is None else cloudpickle.loads(data)
+
+
+def _lost(handle: RankProcess, spec: RankSpec) -> tuple[Any, BaseException, RankOutcome]:
+    """How a rank ended whose process died before it said so: stopped, if it was asked to
+    stop; else a failure that names the signal or exit code."""
+    from .errors import RankDiedError, RankStoppedError
+
+    code = handle.process.exitcode
+    rank = spec.placement.rank
+    if handle.stop_reason is not None:
+        error: BaseException = RankStoppedError(rank, handle.stop_reason, job=spec.run_id)
+        return None, error, RankOutcome(Verdict.STOPPED, "dask_ddp.errors.RankStoppedError",
+                                        handle.stop_reason)  # fmt: skip
+    error = RankDiedError(rank, spec.placement.worker, spec.key, code)
+    cls = type(error)
+    return None, error, RankOutcome(Verdict.FAIL, f"{cls.__module__}.{cls.__qualname__}",
+                                    f"{cls.__name__}: {error}")  # fmt: skip
+
+
+class _Fd:
+    """A file descriptor passed to the rank's process (duplicated for it by the
+    forkserver)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_Fd._rebuild, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _rebuild(dup: Any) -> _Fd:
+        return _Fd(dup.detach())
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """``error`` if it pickles (with its traceback, and those of its causes: the client
+    shows the rank's own frames), else a RuntimeError that says what it was."""
+    from tblib import pickling_support
+
+    pickling_support.install(error)
+    try:
+        cloudpickle.loads(cloudpickle.dumps(error))
+        return error
+    except Exception:
+        text = "".join(traceback.format_exception(error)).rstrip()
+        return RuntimeError(f"{type(error).__name__}: {error} (not picklable)\n{text}")
+
+
+# -- the rank's side, in its own process -----------------------------------------------------
+
+
+class RankLink:
+    """The rank's process's end of the link: records out, calls answered, stops in.
+
+    Duck-types :class:`~dask_ddp.events.RankChannel` (``put``, ``put_status``), so that
+    the rank's code sends as it did in the worker.
+    """
+
+    def __init__(self, conn: Any, rank: int, job_id: str) -> None:
+        self.conn, self.rank, self.job_id = conn, rank, job_id
+        self._lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._next_call = 0
+        self._closed = False
+        self.stop_told = threading.Event()
+        self.stop: tuple[str, int | None] | None = None
+        self.on_stop: Callable[[str, int | None], None] | None = None
+        self._reader = threading.Thread(target=self._read, name="dask-ddp-link", daemon=True)
+        self._reader.start()
+
+    def _send(self, message: tuple) -> None:
+        from .errors import ChannelError, NotInRankError
+
+        with self._lock:
+            if self._closed:
+                raise NotInRankError(str(message[3]) if message[0] == "put" else "report")
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError) as exc:
+                raise ChannelError(
+                    self.rank, self.job_id, f"the worker's link closed ({exc})"
+                ) from exc
+
+    def put(
+        self, kind: str, body: list[Any], caller: str = "report", *, urgent: bool = False
+    ) -> None:
+        """Send one record to the rank's task (written to the pipe before it returns)."""
+        if os.getpid() != _PID:
+            from .events import _ForkedProcess
+
+            raise _ForkedProcess()
+        self._send(("put", kind, body, caller, urgent))
+
+    def put_status(self, phase: str | None, detail: str = "") -> None:
+        """Send the rank's phase and activity; never raises."""
+        if os.getpid() != _PID:
+            return
+        with contextlib.suppress(Exception):
+            self._send(("status", phase, detail))
+
+    def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
+        """Ask the rank's worker to run its handler ``name`` on ``args``; its answer."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            call_id, self._next_call = self._next_call, self._next_call + 1
+            self._calls[call_id] = future
+        self._send(("call", call_id, name, args))
+        return future.result(timeout)
+
+    def hello(self) -> None:
+        self._send(("hello", os.getpgid(0)))
+
+    def end(self, value: bytes | None, error: bytes | None, outcome: RankOutcome) -> None:
+        """The rank's last message: its value or error, and how it ended."""
+        with self._lock:
+            self._closed = True
+            self.conn.send(("end", value, error, outcome.to_wire()))
+
+    def _read(self) -> None:
+        conn = self.conn
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "stop":
+                self.stop = (message[1], message[2])
+                if self.on_stop is not None:
+                    self.on_stop(message[1], message[2])
+                self.stop_told.set()
+            elif kind == "reply":
+                _, call_id, ok, data = message
+                future = self._calls.pop(call_id, None)
+                if future is not None:
+                    value = cloudpickle.loads(data)
+                    future.set_result(value) if ok else future.set_exception(value)
+            elif kind == "reply-bytes":
+                _, call_id, nbytes = message
+                import torch
+
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                conn.recv_bytes_into(buffer.numpy())
+                future = self._calls.pop(call_id, None)
+                if future is not None:
+                    future.set_result(buffer)
+        # The worker is gone (killed, or its task ended before this process): so is the rank.
+        with self._lock:
+            ending = self._closed
+        if not ending:
+            with contextlib.suppress(OSError):
+                os.killpg(0, signal.SIGKILL)
+
+
+class WorkerStandIn:
+    """What ``distributed.get_worker()`` returns in a rank's own process: the rank's worker
+    as far as user code needs one: its ``address``, ``name``, ``scheduler.address``, and a
+    client (``get_client()``, and Dask objects unpickled in the rank: ``Event``,
+    ``Variable``, ``Future``), connected to the scheduler with the worker's own security
+    on first use.
+    """
+
+    def __init__(self, address: str, name: Any, scheduler: str, security: Any) -> None:
+        import types
+
+        self.address, self.name, self.security = address, name, security
+        self.scheduler = types.SimpleNamespace(address=scheduler)
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple:
+        return (WorkerStandIn, (self.address, self.name, self.scheduler.address, self.security))
+
+    @classmethod
+    def of(cls, worker: Any) -> WorkerStandIn:
+        return cls(worker.address, worker.name, worker.scheduler.address, worker.security)
+
+    def _get_client(self, timeout: float | None = None) -> Any:
+        with self._lock:
+            if self._client is None:
+                from distributed import Client
+
+                self._client = Client(
+                    self.scheduler.address, security=self.security, timeout=timeout,
+                    set_as_default=True,
+                )  # fmt: skip
+            return self._client
+
+
+_PID = -1  # the rank's process (a DataLoader worker forked from it is another)
+
+
+def _reset_in_forked_child() -> None:
+    # A DataLoader worker forked from the rank: the rank's SIGTERM and SIGUSR1 handlers
+    # are not its own (SIGTERM ends it, as it would under torchrun).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(RuntimeError, ValueError):
+        faulthandler.unregister(signal.SIGUSR1)
+
+
+def _rank_main(
+    conn: Any, stacks: _Fd, payload: bytes, spec: RankSpec, worker: WorkerStandIn
+) -> None:
+    """The rank's process, forked from its worker's template."""
+    global _PID
+    _PID = os.getpid()
+    os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
+    from . import _dask_internals
+
+    _dask_internals.stand_in_for_worker(worker)
+    link = RankLink(conn, spec.placement.rank, spec.run_id)
+    faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
+    os.register_at_fork(after_in_child=_reset_in_forked_child)
+    from . import bootstrap
+
+    link.hello()
+    value: Any = None
+    error: BaseException | None = None
+    try:
+        value = bootstrap.run_in_process(payload, spec, link)
+    except BaseException as exc:
+        error = exc
+    outcome = bootstrap.outcome_of(value, error)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ending: a stop now changes nothing
+    try:
+        sent_value = None if error is not None else cloudpickle.dumps(value)
+    except Exception as exc:
+        from .errors import NotPicklableError
+
+        error = NotPicklableError(
+            f"rank {spec.placement.rank}'s return value", f"{type(exc).__name__}: {exc}"
+        )
+        outcome = bootstrap.outcome_of(None, error)
+        sent_value = None
+    sent_error = None if error is None else cloudpickle.dumps(_picklable(error))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    link.end(sent_value, sent_error, outcome)
