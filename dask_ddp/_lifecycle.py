@@ -28,8 +28,10 @@ The phases of a job, inside its public :class:`~dask_ddp.JobState`::
 - ``stopping``: the attempt's end is decided; its ranks are stopped. A worker goes back
   to the pool (or to the next attempt) only once it is *clean*: its rank's task ended, or
   the rank never started there and will end at once if it does, or the worker was
-  restarted or left. A rank still running ``ddp.failure-grace`` after the abort has its
-  worker restarted; a worker that cannot be restarted is quarantined, never reused.
+  restarted or left. A rank's worker kills the rank's process tree ``ddp.failure-grace``
+  after the abort; a worker whose rank's task has still not ended :data:`STOP_MARGIN`
+  later (the worker itself does not answer) is restarted, and one that cannot be restarted
+  is quarantined, never reused.
 - ``ended``: the job holds no worker, and only now is its final state published (while
   its ranks stop, its public state is ``stopping``: its end and its error are known).
 """
@@ -66,6 +68,12 @@ class Phase(str, enum.Enum):
     RUNNING = "running"
     STOPPING = "stopping"
     ENDED = "ended"
+
+
+#: Seconds past ``ddp.failure-grace`` before the workers of ranks that did not stop are
+#: restarted: by then each worker has killed its rank's process tree, so a rank task still
+#: running means the worker itself does not answer.
+STOP_MARGIN = 10.0
 
 
 class Timer(str, enum.Enum):
@@ -900,7 +908,7 @@ class _Step:
             workers = tuple(life.ranks[i].worker for i in running)
             reason = ending.why if ending.kind is not EndKind.CANCELLED else life.cancel or ""
             self.actions.append(Abort(life.attempt, running, workers, reason, ending.rank))
-            self.arm(Timer.STOP, self.policy.failure_grace)
+            self.arm(Timer.STOP, self.policy.failure_grace + STOP_MARGIN)
         self.stopped()
 
     def decide(self, ending: Ending) -> tuple[JobState, Ending]:

@@ -542,7 +542,9 @@ def _rank_main(
     except BaseException as exc:
         error = exc
     outcome = bootstrap.outcome_of(value, error)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ending: a stop now changes nothing
+    # Ending: a stop changes nothing now, and no handler (ours, or a DataLoader's SIGCHLD
+    # one) may run in the middle of the last message.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD, signal.SIGINT})
     try:
         sent_value = None if error is not None else cloudpickle.dumps(value)
     except Exception as exc:
