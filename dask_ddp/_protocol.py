@@ -315,6 +315,7 @@ class Entry:
     PROBE = "dask_ddp.bootstrap:probe_worker"  # async: GPUs, and rank 0's store
     RUN_RANK = "dask_ddp.bootstrap:run_rank"  # the rank task
     ABORT = "dask_ddp.bootstrap:abort_rank"
+    RANK_STACKS = "dask_ddp.bootstrap:rank_stacks"  # every thread's stack, from faulthandler
     REQUEST_GROW = "dask_ddp.bootstrap:request_grow"
     DROP_STORE = "dask_ddp.bootstrap:drop_store"  # rank 0's store, when placing failed
     HELD_REPLICAS = "dask_ddp._replicas:held_for"

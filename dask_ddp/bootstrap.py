@@ -251,6 +251,18 @@ def abort_rank(
     return True
 
 
+def rank_stacks(job_id: str, dask_worker: Any = None) -> tuple[int, str] | None:
+    """Run on a worker (``Client.run``): the rank of ``job_id`` (any attempt) running here,
+    and every thread's Python stack in its process, as :mod:`faulthandler` dumps them
+    (it works while the rank is blocked in C++); None if none runs here."""
+    active = slot_for(dask_worker).current()
+    if active is None or active.process is None:
+        return None
+    if active.job_id != job_id and not active.job_id.startswith(f"{job_id}-"):
+        return None
+    return active.rank, active.process.stacks()
+
+
 @contextlib.contextmanager
 def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> Iterator[RankRun]:
     def queued(holder: RankRun) -> None:

@@ -238,6 +238,35 @@ class Job:
         with self._model.cond:  # the supervisor's last message, on its way here
             self._model.cond.wait_for(lambda: self._model.closed, _CLOSE_WAIT)
 
+    def stacks(self) -> dict[int, str]:
+        """Every running rank's current Python stacks, all threads, with file and line:
+        where a job that seems hung is.
+
+        Each rank's process dumps them itself (:mod:`faulthandler`, on a signal), so this
+        works while a rank is blocked in C++ (a collective waiting for a peer, a store).
+
+        Returns
+        -------
+        dict
+            Rank -> its stacks as faulthandler writes them (``Thread 0x... (most recent
+            call first):`` then ``File "train.py", line 42 in train``...), for the ranks
+            running now; empty once the job ended.
+
+        Examples
+        --------
+        >>> for rank, text in job.stacks().items():  # doctest: +SKIP
+        ...     print(f"rank {rank}:\n{text}")
+        """
+        from ._protocol import Entry, call
+
+        if self.done():
+            return {}
+        answers = self.client.run(
+            call, Entry.RANK_STACKS, self.job_id, workers=list(self.workers), on_error="return"
+        )
+        found = [a for a in answers.values() if isinstance(a, tuple)]
+        return {rank: text for rank, text in sorted(found)}
+
     def forget(self) -> None:
         """Let the cluster forget this finished job: its record, its ranks' return values
         (:meth:`result` no longer works, here or in any client) and its events.

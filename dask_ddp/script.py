@@ -327,8 +327,8 @@ def run_program(program: str, args: list[str]) -> int:
     that is not Python, or a wrapper that starts one) with the rank's environment, which
     has torchrun's variables; its output lines are the rank's. Returns 0.
 
-    The program is stopped (SIGTERM, then SIGKILL after 5 s) when the rank is: the job was
-    cancelled or another rank failed.
+    The program runs in the rank's process group: a stop (the job was cancelled, another
+    rank failed) sends it SIGTERM with the rank, and SIGKILL after ``ddp.failure-grace``.
 
     Raises
     ------
@@ -353,13 +353,7 @@ def run_program(program: str, args: list[str]) -> int:
     for relay in relays:
         relay.start()
     try:
-        while True:
-            try:
-                # In steps: the wait is in C, where the rank's stop would not reach it.
-                code = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        code = proc.wait()  # a stop's SIGTERM interrupts it (the rank's handler raises)
     finally:
         if proc.poll() is None:
             proc.terminate()

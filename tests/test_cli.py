@@ -443,3 +443,31 @@ def test_with_a_scheduler_an_adaptive_cluster_is_asked_for_the_workers(tmp_path:
         command.stop()
         assert _said(command)[0].startswith("dask_ddp: waiting for 2 workers (the cluster has 0;")
         assert _said(command)[-1].startswith("dask_ddp: every rank finished: 2 ranks")
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_no_python_command_ends_its_programs(
+    dask_processes: DaskProcesses, tmp_path: Path
+) -> None:
+    # Each rank's program writes a tick every 0.1 s; after Ctrl-C none is left writing.
+    loop = tmp_path / "loop.sh"
+    loop.write_text('while true; do echo tick >> "$1/ticks-$RANK"; sleep 0.1; done\n')
+    command = _command(
+        "--scheduler", dask_processes.address, "--nworkers", "2",
+        "--no-python", "bash", str(loop), str(tmp_path),
+    )  # fmt: skip
+    ticks = [tmp_path / "ticks-0", tmp_path / "ticks-1"]
+    deadline = time.monotonic() + 120
+    while not all(t.exists() for t in ticks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(t.exists() for t in ticks), command.text()[-3000:]
+    command.proc.send_signal(signal.SIGINT)
+    assert command.proc.wait(10) == 130, command.text()[-3000:]
+    command.stop()
+    sizes = [t.stat().st_size for t in ticks]
+    time.sleep(1.0)  # ten ticks, had a program been left running
+    assert [t.stat().st_size for t in ticks] == sizes
+    left = [
+        p.pid for p in psutil.process_iter(["cmdline"]) if str(loop) in (p.info["cmdline"] or [])
+    ]
+    assert left == []

@@ -114,3 +114,31 @@ def test_a_stopped_rank_ends_its_process_tree_and_never_its_worker(
         assert kept.sum().compute() == sum(range(1000))
         print(f"{fn.__name__}: cancel() took {took:.2f} s (ddp.failure-grace {grace})")
         assert dask_ddp.launch(client, dist.get_world_size).result(timeout=60) == [2, 2]
+
+
+def _hung_at_step(step: int) -> None:
+    t = torch.ones(1)
+    for i in range(10):
+        if i == step and dist.get_rank() == 1:
+            dask_ddp.report({"hung": 1}, step=i)
+            time.sleep(600)  # the user's own hang
+        dist.all_reduce(t)
+
+
+def test_stacks_show_where_each_rank_of_a_hung_job_is(stopping_cluster: LocalCluster) -> None:
+    with Client(stopping_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        pids = client.run(os.getpid)
+        job = dask_ddp.launch(client, _hung_at_step, args=(5,))
+        for record in job.iter_metrics(timeout=60):
+            if record.metrics.get("hung"):
+                break
+        stacks = job.stacks()
+        assert sorted(stacks) == [0, 1]
+        assert "in _hung_at_step" in stacks[1] and "time.sleep" not in stacks[0]
+        assert "in all_reduce" in stacks[0]  # blocked in C++, dumped all the same
+        assert "in all_reduce" not in stacks[1]
+        job.cancel()
+        assert job.stacks() == {}
+        assert client.run(os.getpid) == pids
+        assert _left(client, time.monotonic() + 10) == {}
