@@ -47,6 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -179,7 +180,9 @@ def recovery_job(mb: int, marker_dir: str) -> dict[str, Any]:
         torch.distributed.barrier()
         if ctx.rank == 0:
             Path(marker_dir, "killed_at").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            # The rank's worker (its template's parent) dies, and the rank with it.
+            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            time.sleep(60)
         torch.distributed.barrier()  # fails once rank 0 is gone
     return {"attempt": ctx.attempt, "load": load, "rank": ctx.rank, "worker": ctx.worker}
 

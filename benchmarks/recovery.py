@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import torch
 
 
@@ -67,7 +68,9 @@ def train(ckpt_every: int, steps: int, marker_dir: str, step_seconds: float = 0.
         if ctx.attempt == 0 and ctx.rank == 1 and step == steps // 2:
             with open(os.path.join(marker_dir, "killed_at"), "w") as f:
                 f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            # The rank's worker (its template's parent) dies, and the rank with it.
+            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            time.sleep(60)
         time.sleep(step_seconds)
     return {"attempt": ctx.attempt, "first_step_at": first_step_at, "start": start}
 

@@ -30,10 +30,11 @@ def remove_worker_handler(worker: Any, name: str) -> None:
     worker.handlers.pop(name, None)
 
 
-def stand_in_for_worker(worker: Any) -> None:
-    """Make ``worker`` (a rank process's :class:`dask_ddp._rankproc.WorkerStandIn`) what
-    ``distributed.get_worker()`` returns in this thread, so that ``get_client()`` and Dask
-    objects unpickled here (``distributed.Event``, ``Variable``, ``Future``) find a client.
+def act_for_worker(worker: Any) -> None:
+    """Make ``worker`` what ``distributed.get_worker()`` returns in this thread, so that
+    ``get_client()`` and Dask objects unpickled here (``distributed.Event``, ``Variable``,
+    ``Future``) find a client: the real worker in a thread that serves a rank's process,
+    a :class:`dask_ddp._rankproc.WorkerStandIn` in the rank's process itself.
 
     Private: ``distributed.worker._worker_cvar``, the context variable ``get_worker`` reads.
     """

@@ -240,7 +240,14 @@ def run(
         rank_end.close()
         os.close(stacks_w)
     handle = RankProcess(process, task_end, stacks_r, grace)
-    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"dask-ddp-link-{spec.key}")
+    from . import _dask_internals
+
+    pool = concurrent.futures.ThreadPoolExecutor(
+        2,
+        thread_name_prefix=f"dask-ddp-link-{spec.key}",
+        initializer=_dask_internals.act_for_worker,  # the handlers run as the rank's task
+        initargs=(worker,),
+    )
     ended: tuple[Any, BaseException | None, RankOutcome] | None = None
     try:
         on_start(handle)
@@ -528,7 +535,7 @@ def _rank_main(
     os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
     from . import _dask_internals
 
-    _dask_internals.stand_in_for_worker(worker)
+    _dask_internals.act_for_worker(worker)
     link = RankLink(conn, spec.placement.rank, spec.run_id)
     faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
     os.register_at_fork(after_in_child=_reset_in_forked_child)

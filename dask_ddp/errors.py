@@ -256,10 +256,11 @@ class RankFailedError(DaskDDPError):
         return text
 
 
-class RankDiedError(DaskDDPError, RuntimeError):
+class RankDiedError(InfrastructureError, RuntimeError):
     """A rank's process ended without saying how (a signal, ``os._exit``, a crash in C or
-    the kernel's out-of-memory killer); its worker is unharmed. Raised on the rank's task,
-    and by the job like any rank's failure (``max_restarts=N`` restarts it).
+    the kernel's out-of-memory killer); its worker is unharmed. As under torchrun, whose
+    agent restarts a worker group when a worker process dies, ``max_restarts=N`` restarts
+    the job from its last checkpoint.
 
     Examples
     --------

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import dask
+import psutil
 import pytest
 import torch
 from distributed import Client, LocalCluster
@@ -60,7 +62,9 @@ def _train(
             if settle and ctx.attempt == 0 and pending is not None:
                 pending.wait(60)
         if kill_self and ctx.attempt == 0 and ctx.rank == 1 and step == 7:
-            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a preemption would
+            # The rank's worker (its template's parent) dies, and the rank with it.
+            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            time.sleep(60)
     return {
         "attempt": ctx.attempt,
         "start": start,
@@ -226,7 +230,9 @@ def _unannounced(directory: str, go: str) -> dict:
         if pending is not None:
             pending.wait(60)
             Event(go).wait(60)
-            os.kill(os.getpid(), signal.SIGKILL)
+            # The rank's worker (its template's parent) dies, and the rank with it.
+            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            time.sleep(60)
         torch.distributed.barrier()  # fails once rank 0 is gone
     return {"step": state["step"], "w": state["w"].sum().item()}
 

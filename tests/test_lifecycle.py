@@ -555,7 +555,7 @@ def test_cancel_while_placing_stops_the_attempt_once_placed() -> None:
     published = [a.state for a in actions if isinstance(a, lc.Publish)]
     assert published == [JobState.STOPPING]  # never said "running"; its end is known
     assert lc.Abort(0, (0, 1), ("a", "b"), "stop", None) in actions
-    assert lc.Arm(lc.Timer.STOP, 5.0, life.armed(lc.Timer.STOP)) in actions
+    assert lc.Arm(lc.Timer.STOP, 5.0 + lc.STOP_MARGIN, life.armed(lc.Timer.STOP)) in actions
     life, actions = lc.step(life, lc.AbortAnswered(0, frozenset({"a"})), p, 0.0)
     assert life.phase is lc.Phase.STOPPING  # b's rank runs: b is not given back yet
     life, actions = lc.step(life, lc.TimerFired(lc.Timer.STOP, life.armed(lc.Timer.STOP)), p, 5)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from distributed import Client
@@ -41,7 +43,9 @@ def resumable(steps: int, ckpt_every: int, kill_at: int | None) -> dict:
                 step=step,
             )
         if kill_at is not None and ctx.attempt == 0 and ctx.rank == 1 and step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a preemption would
+            # The rank's worker (its template's parent) dies, and the rank with it.
+            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            time.sleep(60)
     return {
         "attempt": ctx.attempt,
         "start": start,
