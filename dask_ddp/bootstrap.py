@@ -375,17 +375,7 @@ def _connect_store(
 
     rdzv = spec.rendezvous
     if spec.placement.rank == 0 and own_store:
-        store = slot.take_store(spec.run_id)
-        if store is None:
-            raise RendezvousTimeoutError(
-                0,
-                spec.placement.worker,
-                spec.key,
-                0,
-                "the job's store is gone from this worker "
-                "(the worker restarted after launch, or the job was cancelled)",
-            )
-        return store
+        return _take_store(spec, slot)
     deadline = time.monotonic() + rdzv.rendezvous_timeout
     while True:
         left = deadline - time.monotonic()
@@ -409,6 +399,21 @@ def _connect_store(
             ) from exc
         store.set_timeout(timedelta(seconds=rdzv.rendezvous_timeout))  # its waits' default
         return store
+
+
+def _take_store(spec: RankSpec, slot: ProcessSlot) -> Any:
+    """The store the probe opened for rank 0 on this worker, taken from ``slot``."""
+    store = slot.take_store(spec.run_id)
+    if store is None:
+        raise RendezvousTimeoutError(
+            0,
+            spec.placement.worker,
+            spec.key,
+            0,
+            "the job's store is gone from this worker "
+            "(the worker restarted after launch, or the job was cancelled)",
+        )
+    return store
 
 
 _CONNECT_SLICE = 1.0  # seconds per try to reach rank 0's store (then a safe point)
@@ -584,18 +589,7 @@ def _run_process(
     asks of this worker; rank 0's store stays here, in the worker, until the rank ends."""
     from . import _rankproc
 
-    store = None
-    if spec.placement.rank == 0:
-        store = slot.take_store(spec.run_id)
-        if store is None:
-            raise RendezvousTimeoutError(
-                0,
-                spec.placement.worker,
-                spec.key,
-                0,
-                "the job's store is gone from this worker "
-                "(the worker restarted after launch, or the job was cancelled)",
-            )
+    store = _take_store(spec, slot) if spec.placement.rank == 0 else None
     run.store = store
     peer = _replicas.PeerLink(worker, spec.job_id)
 
