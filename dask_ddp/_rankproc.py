@@ -288,7 +288,12 @@ def _relay(
         elif kind == "status":
             channel.put_status(message[1], message[2])
         elif kind == "call":
-            _, call_id, name, args = message
+            _, call_id, name, args, has_data = message
+            if has_data:  # its buffer follows at once
+                try:
+                    args = (*args, conn.recv_bytes())
+                except (EOFError, OSError):
+                    return None
             pool.submit(_answer, handle, handlers, call_id, name, args)
         elif kind == "hello":
             with handle._lock:
@@ -426,13 +431,23 @@ class RankLink:
         with contextlib.suppress(Exception):
             self._send(("status", phase, detail))
 
-    def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
-        """Ask the rank's worker to run its handler ``name`` on ``args``; its answer."""
+    def call(self, name: str, *args: Any, data: Any = None, timeout: float | None = None) -> Any:
+        """Ask the rank's worker to run its handler ``name`` on ``args`` (and ``data``, a
+        buffer sent as raw bytes and passed last: a checkpoint's); its answer."""
+        from .errors import ChannelError
+
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             call_id, self._next_call = self._next_call, self._next_call + 1
             self._calls[call_id] = future
-        self._send(("call", call_id, name, args))
+            try:
+                self.conn.send(("call", call_id, name, args, data is not None))
+                if data is not None:
+                    self.conn.send_bytes(data)
+            except (OSError, ValueError) as exc:
+                self._calls.pop(call_id, None)
+                why = f"the link to its worker closed ({exc})"
+                raise ChannelError(self.rank, self.job_id, why) from exc
         return future.result(timeout)
 
     def hello(self) -> None:

@@ -603,7 +603,9 @@ def _run_process(
     handlers = {
         "grow": lambda: slot.take_grow_request(spec.run_id),
         "memory": lambda: (_replicas.process_memory(), _replicas.memory_limit(worker)),
-        "replica_put": peer.put,
+        "replica_put": lambda holder, writer, world, step, fraction, data: peer.put(
+            holder, writer, world, step, data, fraction
+        ),
         "replica_fetch": lambda *args: _rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
         "dataset_load": _load_dataset_window,
     }
@@ -698,8 +700,11 @@ class _RelayedPeer:
     def __init__(self, link: Any) -> None:
         self._link = link
 
-    def put(self, *args: Any) -> str | None:
-        return self._link.call("replica_put", *args)
+    def put(
+        self, holder: str, writer: int, world_size: int | None, step: int, data: Any,
+        fraction: float,
+    ) -> str | None:  # fmt: skip
+        return self._link.call("replica_put", holder, writer, world_size, step, fraction, data=data)
 
     def fetch(self, *args: Any) -> Any:
         buffer = self._link.call("replica_fetch", *args)
