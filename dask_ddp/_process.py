@@ -27,7 +27,7 @@ def children_allowed(allowed: bool) -> Iterator[None]:
     """Let a daemonic Dask worker start DataLoader worker processes while the block runs.
 
     multiprocessing refuses children of a daemonic process because it would not wait for
-    them at exit. DataLoader workers watch their parent and exit with it, so clearing the
+    them at exit. Process-wide while the block runs: hold it only for a ``start()``. DataLoader workers watch their parent and exit with it, so clearing the
     flag for the rank's lifetime is safe; it is restored afterwards.
 
     >>> with children_allowed(True):

@@ -54,9 +54,31 @@ logger = logging.getLogger(__name__)
 __all__ = ["RankLink", "RankProcess", "WorkerStandIn", "run", "warm"]
 
 #: Modules the template imports once, so that a rank's process starts with them.
-PRELOAD = ["__main__", "torch", "torch.distributed", "dask_ddp.bootstrap", "dask_ddp._rankproc"]
+#: What a rank imports that is slow to import (``dask_ddp.data._collection_shard`` alone
+#: took 50 ms in each rank's process, of a 2-rank launch's 80 ms more than plain Dask).
+PRELOAD = [
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.utils.data",
+    "dask_ddp.bootstrap",
+    "dask_ddp._rankproc",
+    "dask_ddp.data._collection_shard",
+]
 
 _template_lock = threading.Lock()
+
+
+def _inherited() -> None:
+    """What the template works out once, so that each rank's process inherits it: the C
+    library's handle (``find_library`` runs ``ldconfig`` in a child process)."""
+    from . import _malloc
+
+    _malloc._glibc()
+
+
+_inherited()
 
 
 def _context() -> Any:
@@ -67,13 +89,15 @@ def _context() -> Any:
 
 
 def warm() -> None:
-    """Start this worker's template (the forkserver) if it is not running: the first rank
-    then starts in milliseconds, not after the template's imports (1-3 s)."""
+    """Start this worker's template (the forkserver) if it is not running, and fork a spare
+    rank process from it: the next rank then starts without waiting for the template's
+    imports (1-3 s) or for a fork (tens of milliseconds)."""
     from multiprocessing import forkserver
 
     _context()
     with _template_lock:
         forkserver.ensure_running()
+    _refill()
 
 
 # -- the task's side, in the worker ---------------------------------------------------------
@@ -85,7 +109,7 @@ class RankProcess:
     Parameters
     ----------
     process : multiprocessing.Process
-        The rank's process, started.
+        The rank's process (forked ahead from the template).
     conn : multiprocessing.connection.Connection
         The task's end of the link.
     stacks_fd : int
@@ -154,14 +178,18 @@ class RankProcess:
         if timer is not None:
             timer.cancel()
         self._signal(signal.SIGKILL)  # DataLoader workers, a program's children: gone too
-        with contextlib.suppress(OSError):
-            os.close(self._stacks_fd)
+        with self._stacks_lock, contextlib.suppress(OSError):
+            if self._stacks_fd >= 0:
+                os.close(self._stacks_fd)
+                self._stacks_fd = -1
+        with self._send_lock:
+            self.conn.close()
 
     def stacks(self, timeout: float = 2.0) -> str:
         """Every thread's Python stack in the rank's process, as :mod:`faulthandler`
         writes them ("" once it ended). Works while the rank is blocked in C++."""
         with self._stacks_lock:
-            if self.process.exitcode is not None:
+            if self.process.exitcode is not None or self._stacks_fd < 0:
                 return ""
             fd = self._stacks_fd
             with contextlib.suppress(OSError):
@@ -222,26 +250,10 @@ def run(
     grace : float
         Seconds between a stop's SIGTERM and SIGKILL.
     """
-    ctx = _context()
-    task_end, rank_end = ctx.Pipe(duplex=True)
-    stacks_r, stacks_w = os.pipe()
-    process = ctx.Process(
-        target=_rank_main,
-        args=(rank_end, _Fd(stacks_w), payload, spec, WorkerStandIn.of(worker)),
-        name=f"dask-ddp-{spec.key}",
-        daemon=False,  # a rank starts DataLoader workers; its group ends with its task
-    )
-    from . import _process
-
-    try:
-        with _template_lock, _process.children_allowed(True):
-            process.start()
-    finally:
-        rank_end.close()
-        os.close(stacks_w)
-    handle = RankProcess(process, task_end, stacks_r, grace)
     from . import _dask_internals
 
+    spare = _take()
+    handle = RankProcess(spare.process, spare.conn, spare.stacks_fd, grace)
     pool = concurrent.futures.ThreadPoolExecutor(
         2,
         thread_name_prefix=f"dask-ddp-link-{spec.key}",
@@ -251,19 +263,107 @@ def run(
     ended: tuple[Any, BaseException | None, RankOutcome] | None = None
     try:
         on_start(handle)
+        handle.send(("go", payload, spec, WorkerStandIn.of(worker)))
         ended = _relay(handle, channel, handlers, pool)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        if ended is None or process.exitcode is None:
-            process.join(grace if ended is not None else 0)
-            if process.exitcode is None:
+        if ended is not None:
+            _end_later(handle)
+        else:  # it died, or this task was interrupted: nothing of it may outlive the task
+            handle.process.join(0)
+            if handle.process.exitcode is None:
                 handle.kill()
-                process.join()
-        handle.ended()
-        task_end.close()
+                handle.process.join()
+            handle.ended()
+            threading.Thread(target=_refill, name="dask-ddp-refill", daemon=True).start()
     if ended is not None:
         return ended
     return _lost(handle, spec)
+
+
+class _Spare:
+    """A rank process forked ahead, waiting for its rank (:func:`_rank_main`)."""
+
+    def __init__(self, process: Any, conn: Any, stacks_fd: int) -> None:
+        self.process, self.conn, self.stacks_fd = process, conn, stacks_fd
+
+
+_spare: _Spare | None = None  # this worker's one spare (a rank process is never reused)
+_exiting: set[RankProcess] = set()  # ended ranks' processes still tearing down
+_spares_lock = threading.Lock()
+
+
+def _fork() -> _Spare:
+    from . import _process
+
+    ctx = _context()
+    task_end, rank_end = ctx.Pipe(duplex=True)
+    stacks_r, stacks_w = os.pipe()
+    process = ctx.Process(
+        target=_rank_main,
+        args=(rank_end, _Fd(stacks_w)),
+        name="dask-ddp-rank",
+        daemon=False,  # a rank starts DataLoader workers; its group ends with its task
+    )
+    try:
+        with _template_lock, _process.children_allowed(True):
+            process.start()
+    except BaseException:
+        task_end.close()
+        os.close(stacks_r)
+        raise
+    finally:
+        rank_end.close()
+        os.close(stacks_w)
+    return _Spare(process, task_end, stacks_r)
+
+
+def _refill() -> None:
+    """Fork this worker's spare rank process, unless one waits already."""
+    global _spare
+    with _spares_lock:
+        if _spare is not None and _spare.process.exitcode is None:
+            return
+    spare: _Spare | None = _fork()
+    with _spares_lock:
+        if _spare is None or _spare.process.exitcode is not None:
+            _spare, spare = spare, None
+    if spare is not None:  # another thread forked one meanwhile: let this one go
+        spare.conn.close()
+        os.close(spare.stacks_fd)
+        spare.process.join()
+
+
+def _take() -> _Spare:
+    """The spare rank process (forked now if none waits), once the ranks that ended here
+    before it are gone (their GPU memory freed; each within its grace)."""
+    global _spare
+    with _spares_lock:
+        spare, _spare = _spare, None
+        exiting = list(_exiting)
+    for handle in exiting:
+        handle.process.join(handle.grace)
+        handle.ended()
+    if spare is None or spare.process.exitcode is not None:
+        spare = _fork()
+    return spare
+
+
+def _end_later(handle: RankProcess) -> None:
+    """The rank said how it ended: its process tears down (its group destroyed) and exits
+    while its task returns; what is left of its group after its grace is killed. The next
+    spare is forked once it is gone, off every rank's way."""
+    with _spares_lock:
+        _exiting.add(handle)
+
+    def wait() -> None:
+        handle.process.join(handle.grace)
+        handle.ended()
+        with _spares_lock:
+            _exiting.discard(handle)
+        _refill()
+
+    threading.Thread(target=wait, name="dask-ddp-rank-exit", daemon=True).start()
 
 
 def _relay(
@@ -450,9 +550,6 @@ class RankLink:
                 raise ChannelError(self.rank, self.job_id, why) from exc
         return future.result(timeout)
 
-    def hello(self) -> None:
-        self._send(("hello", os.getpgid(0)))
-
     def end(self, value: bytes | None, error: bytes | None, outcome: RankOutcome) -> None:
         """The rank's last message: its value or error, and how it ended."""
         with self._lock:
@@ -541,22 +638,25 @@ def _reset_in_forked_child() -> None:
         faulthandler.unregister(signal.SIGUSR1)
 
 
-def _rank_main(
-    conn: Any, stacks: _Fd, payload: bytes, spec: RankSpec, worker: WorkerStandIn
-) -> None:
-    """The rank's process, forked from its worker's template."""
+def _rank_main(conn: Any, stacks: _Fd) -> None:
+    """A rank's process, forked from its worker's template ahead of its rank: it waits for
+    ``("go", payload, spec, worker)``, then runs the rank and says how it ended."""
     global _PID
     _PID = os.getpid()
     os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
+    faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
+    os.register_at_fork(after_in_child=_reset_in_forked_child)
+    conn.send(("hello", os.getpgid(0)))
+    try:
+        _, payload, spec, worker = conn.recv()
+    except (EOFError, OSError):  # the worker went, or let this spare go
+        return
     from . import _dask_internals
 
     _dask_internals.act_for_worker(worker)
     link = RankLink(conn, spec.placement.rank, spec.run_id)
-    faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
-    os.register_at_fork(after_in_child=_reset_in_forked_child)
     from . import bootstrap
 
-    link.hello()
     value: Any = None
     error: BaseException | None = None
     try:
@@ -581,3 +681,6 @@ def _rank_main(
     sys.stdout.flush()
     sys.stderr.flush()
     link.end(sent_value, sent_error, outcome)
+    if error is None:
+        with contextlib.suppress(Exception):  # its task returned: nobody to tell
+            bootstrap.end_process_group()

@@ -687,7 +687,7 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any) -> Any:
                 fn, args, kwargs, spec, run, peer, lambda: link.call("memory"), PROCESS,
                 own_store=False,
             )  # fmt: skip
-        _end_process_group()  # after a failure the process just ends, as under torchrun
+        _cuda_finished()  # the rank's kernels ran before it says it ended
         return value
     except StopRequested as exc:
         raise exc.stopped() from None
@@ -711,14 +711,20 @@ class _RelayedPeer:
         return buffer if len(buffer) else None
 
 
-def _end_process_group() -> None:
-    """A rank's process ends: its CUDA work finished and its group destroyed (nccl's
-    communicators flushed), as torchrun's workers end."""
+def _cuda_finished() -> None:
+    """Wait for the rank's CUDA work, if it started CUDA."""
     import torch
-    import torch.distributed as dist
 
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def end_process_group() -> None:
+    """A rank's process that said how it ended destroys its group (nccl's communicators
+    flushed, gloo's pairs closed: 20 ms) before it exits, as torchrun's workers end; its
+    task has returned meanwhile. After a failure the process just exits."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -741,9 +747,8 @@ def _run_in_slot(
     import torch.distributed as dist
 
     p = spec.placement
-    store = run.store = _connect_store(
-        spec, run, slot, own_store
-    )  # kept until the task ends, for slow peers
+    # kept until the task ends, for slow peers
+    store = run.store = _connect_store(spec, run, slot, own_store)
     _rendezvous(store, spec, run)
     device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:

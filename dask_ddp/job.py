@@ -255,7 +255,7 @@ class Job:
         Examples
         --------
         >>> for rank, text in job.stacks().items():  # doctest: +SKIP
-        ...     print(f"rank {rank}:\n{text}")
+        ...     print("rank", rank, text)
         """
         from ._protocol import Entry, call
 

@@ -438,7 +438,9 @@ def test_dataloader_workers_inside_a_daemonic_worker(client: Client, context: st
     assert all(s["daemon"] for s in client.run(_worker_state).values())
     out = dask_ddp.launch(client, _load_with_workers, args=(context,)).result(timeout=120)
     assert out == [list(range(32))] * 2
-    assert all(s["daemon"] for s in client.run(_worker_state).values())
+    # Daemonic again once the next spare rank process is forked (the flag is lifted for
+    # each fork only).
+    poll_for(lambda: all(s["daemon"] for s in client.run(_worker_state).values()), timeout=30)
 
 
 class _ParentPids(torch.utils.data.Dataset):

@@ -70,9 +70,19 @@ def _in_a_collective() -> None:
 
 
 def _rank_processes(dask_worker: Any = None) -> list[int]:
-    """The processes under this worker's template: the ranks and what they started."""
+    """The processes under this worker's template but its spare (forked ahead, no rank
+    yet): the ranks and what they started."""
+    from dask_ddp import _rankproc
+
+    spare = _rankproc._spare
+    spare_pid = spare.process.pid if spare is not None else None
     me = psutil.Process()
-    return [p.pid for child in me.children() for p in child.children(recursive=True)]
+    return [
+        p.pid
+        for template in me.children()
+        for p in template.children(recursive=True)
+        if p.pid != spare_pid
+    ]
 
 
 def _left(client: Client, deadline: float) -> dict[str, list[int]]:
