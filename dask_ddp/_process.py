@@ -24,11 +24,11 @@ __all__ = ["children_allowed", "is_peer_loss", "platform_start_method"]
 
 @contextlib.contextmanager
 def children_allowed(allowed: bool) -> Iterator[None]:
-    """Let a daemonic Dask worker start DataLoader worker processes while the block runs.
+    """Let a daemonic Dask worker start a child (a rank's process) while the block runs.
 
     multiprocessing refuses children of a daemonic process because it would not wait for
-    them at exit. Process-wide while the block runs: hold it only for a ``start()``. DataLoader workers watch their parent and exit with it, so clearing the
-    flag for the rank's lifetime is safe; it is restored afterwards.
+    them at exit; a rank's process ends with its task (and with its worker, whose pipe it
+    watches). The flag is process-wide: hold the block for a ``start()`` only.
 
     >>> with children_allowed(True):
     ...     pass
