@@ -266,6 +266,12 @@ def _parser() -> argparse.ArgumentParser:
         "to it, and exit",
     )
     parser.add_argument(
+        "--stacks",
+        metavar="JOB",
+        help="with --scheduler: print every rank's current stacks (all threads) of the running "
+        "job JOB (a name or an id), and exit; no script",
+    )
+    parser.add_argument(
         "-v", "--verbose", action="store_true", help="show Dask's and dask_ddp's INFO logs"
     )
     groups = {
@@ -296,7 +302,7 @@ def _parser() -> argparse.ArgumentParser:
         if option.kind == "rendezvous"
     )
     parser.set_defaults(signals_to_handle=_HANDLED_SIGNALS)
-    parser.add_argument("script", help="path of the training script (-m: a module name)")
+    parser.add_argument("script", nargs="?", help="path of the training script (-m: a module name)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
@@ -427,6 +433,14 @@ def _check(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
         parser.error(str(exc))
     if opts.max_restarts < 0:
         parser.error(f"--max-restarts {opts.max_restarts}: give 0 or more restarts")
+    if opts.stacks is not None:
+        if not opts.scheduler or opts.script is not None:
+            parser.error(
+                "--stacks JOB prints a running job's stacks: give --scheduler ADDR, no script"
+            )
+        return
+    if opts.script is None:
+        parser.error("give the training script (or -m MODULE, or --no-python PROGRAM)")
     if opts.detach and not opts.scheduler:
         parser.error(
             "--detach leaves the job running on a cluster after the command exits: give "
@@ -550,6 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", handlers=[handler]
     )
     _log_torchrun_options(opts)
+    if opts.stacks is not None:
+        return _print_stacks(opts.scheduler, opts.stacks)
     signals = _Signals(opts.signals)
     signals.install()
     try:
@@ -558,6 +574,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_on_local_cluster(opts, signals)
     finally:
         signals.restore()
+
+
+def _print_stacks(scheduler: str, name: str) -> int:
+    """``--stacks JOB``: each running rank's stacks, as faulthandler dumps them in the rank's
+    own process (it works while a rank is blocked in a collective)."""
+    from distributed import Client
+
+    from . import job as _job
+    from .errors import JobNotFoundError
+
+    with Client(scheduler) as client:
+        try:
+            job = _job.attach(client, name)
+        except JobNotFoundError as exc:
+            _say(str(exc))
+            return 1
+        stacks = job.stacks()
+        if not stacks:
+            _say(f"job {job.job_id} ({job.name}) has no running rank ({job.state.value})")
+            return 1
+        for rank, text in stacks.items():
+            print(f"rank {rank} (on {job.workers[rank]}):\n{text.rstrip()}\n", flush=True)
+    return 0
 
 
 def _log_torchrun_options(opts: argparse.Namespace) -> None:
@@ -668,6 +707,31 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
         signals.ignore_from_now()
         _exit_now(code, scratch)
     return code  # not reached: _exit_now does not return
+
+
+def _result_saying_stalls(job: Any) -> list[Any]:
+    """``job.result()``, saying in one line each time the job stalls, and when it goes on."""
+    from ._types import JobState
+
+    seen = len(job.history)
+
+    def changed(_: Any) -> bool:
+        return job.done() or len(job.history) > seen
+
+    while not job.done():
+        job.view_state(changed)
+        history = job.history
+        for i in range(seen, len(history)):
+            t, before = history[i], history[i - 1] if i else None
+            if t.state is JobState.STALLED:
+                _say(
+                    f"job {job.job_id} stalled: {t.reason} (python -m dask_ddp --scheduler "
+                    f"ADDR --stacks {job.name or job.job_id} prints every rank's stack)"
+                )
+            elif t.state is JobState.RUNNING and before and before.state is JobState.STALLED:
+                _say(f"job {job.job_id}: progress resumed")
+        seen = len(history)
+    return job.result()
 
 
 def _exit_now(code: int, scratch: str) -> None:
@@ -814,7 +878,7 @@ def _run_job(
         if opts.detach:
             _say(_attach_hint(client, job))
             return 0
-        job.result()
+        _result_saying_stalls(job)
     except _Interrupted as stop:
         return _cancel(job, stop, own_cluster=own_cluster)
     except DaskDDPError as exc:

@@ -246,7 +246,7 @@ class _Collector:
         for plugin in list(self.plugins):
             for job in (j.summary() for j in list(plugin.jobs.values())):
                 counts[job["state"]] = counts.get(job["state"], 0) + 1
-                if job["state"] != "running":
+                if job["state"] not in ("running", "stalled"):
                     continue
                 ranks.add_metric([job["job"]], len(job["ranks"]))
                 for r in job["ranks"]:

@@ -106,6 +106,15 @@ class EndKind(str, enum.Enum):
     PLACEMENT = "placement"  # placing the attempt failed for good
     SCALE = "scale"  # the cluster stayed smaller than the job needs
     RESIZES = "resizes"  # more resizes than ddp.max-resizes in an hour
+    STALLED = "stalled"  # no rank progressed for ddp.stall-timeout (ddp.stall-action)
+
+
+class StallAction(str, enum.Enum):
+    """What a stall does (``ddp.stall-action``)."""
+
+    WARN = "warn"  # says so in the history, and again when progress resumes
+    RESTART = "restart"  # stops the attempt and restarts it, counted against max_restarts
+    FAIL = "fail"  # stops the job: JobStalledError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +148,7 @@ class Policy:
     drain: float = 10.0
     scale_timeout: float = 300.0
     orphan_timeout: float = 600.0
+    stall_action: StallAction = StallAction.WARN
 
     @property
     def elastic(self) -> bool:
@@ -194,6 +204,7 @@ class Life:
     timers: tuple[tuple[Timer, int], ...] = ()  # armed timers and their tokens
     tokens: int = 0
     restarting: frozenset[str] = frozenset()  # workers asked to restart, not yet answered
+    stalled: bool = False  # the running attempt is stalled (published: JobState.STALLED)
 
     @classmethod
     def new(cls, policy: Policy) -> Life:
@@ -318,6 +329,27 @@ class ClientAttached:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stalled:
+    """No rank of ``attempt`` sent anything for ``idle`` seconds, and their stacks did not
+    change between two samples: ``causes`` are the ranks outside a collective (the likely
+    cause), at ``where`` (``"train (train.py:42)"``, one per cause); ``waiting`` the ranks
+    waiting in a collective."""
+
+    attempt: int
+    idle: float
+    causes: tuple[int, ...] = ()
+    where: tuple[str, ...] = ()
+    waiting: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Progressed:
+    """A rank of ``attempt`` sent something while the attempt was stalled."""
+
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
 class TimerFired:
     """A timer armed by an :class:`Arm` action fired (a stale token is ignored)."""
 
@@ -363,6 +395,8 @@ Fact = (
     | ClientAttached
     | TimerFired
     | ActionFailed
+    | Stalled
+    | Progressed
 )
 
 
@@ -637,7 +671,7 @@ class _Step:
         if life.phase is not Phase.PLACING or fact.attempt != life.attempt:
             return
         ranks = tuple(RankLife(w, lost=w not in life.held) for w in fact.workers)
-        self.set(phase=Phase.RUNNING, ranks=ranks, grow_requested=False)
+        self.set(phase=Phase.RUNNING, ranks=ranks, grow_requested=False, stalled=False)
         if life.cancel is not None:  # asked while the attempt was being placed
             self.end(Ending(EndKind.CANCELLED, life.cancel))
             return
@@ -737,6 +771,38 @@ class _Step:
         if self.life.armed(Timer.ORPHAN) is not None:
             self.disarm(Timer.ORPHAN)
             self.actions.append(Note("a client attached; the job is followed again"))
+
+    def on_Stalled(self, fact: Stalled) -> None:
+        life = self.life
+        if (
+            life.phase is not Phase.RUNNING
+            or fact.attempt != life.attempt
+            or life.ending is not None
+            or life.stalled
+        ):
+            return
+        causes = [f"rank {r} in {w}" for r, w in zip(fact.causes, fact.where, strict=True)]
+        why = f"no rank progressed for {fact.idle:.0f} s"
+        if causes:
+            why += f"; outside a collective (the likely cause): {', '.join(causes)}"
+        if fact.waiting:
+            why += f"; waiting in a collective: rank(s) {', '.join(map(str, fact.waiting))}"
+        self.set(stalled=True)
+        self.publish(JobState.STALLED, why)
+        action = self.policy.stall_action
+        if action is StallAction.WARN:
+            return
+        rank = fact.causes[0] if fact.causes else None
+        worker = life.ranks[rank].worker if rank is not None else None
+        retry = action is StallAction.RESTART
+        self.end(Ending(EndKind.STALLED, why, rank, worker, retry=retry, detail=fact.causes))
+
+    def on_Progressed(self, fact: Progressed) -> None:
+        life = self.life
+        if life.stalled and life.phase is Phase.RUNNING and fact.attempt == life.attempt:
+            self.set(stalled=False)
+            if life.ending is None:
+                self.publish(JobState.RUNNING, "progress resumed")
 
     def on_TimerFired(self, fact: TimerFired) -> None:
         life = self.life
@@ -897,7 +963,7 @@ class _Step:
         """The running attempt ends: decide what comes next, then stop its ranks."""
         self.disarm(Timer.GRACE, Timer.DRAIN)
         state, ending = self.decide(ending)
-        self.set(phase=Phase.STOPPING, ending=ending, next_state=state)
+        self.set(phase=Phase.STOPPING, ending=ending, next_state=state, stalled=False)
         if not state.final:  # restarting or resizing: said now, while the ranks stop
             self.publish(state, self.reason(state, ending), ending)
         life = self.life

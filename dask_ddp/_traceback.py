@@ -26,6 +26,8 @@ import distributed
 _LIBRARY_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep for m in (sys.modules["dask_ddp"], distributed, dask)
 )
+_FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x", re.M)
 _DYNAMIC = "<dynamic-code>"  # the file name cloudpickle gives code it sends by value
 _CARETS = re.compile(r"^\s*[\^~]+\s*$")
 
@@ -174,3 +176,41 @@ def rebuild(exc: BaseException, sources: Sources | None = None) -> BaseException
             with contextlib.suppress(Exception):  # cannot: keep the traceback Dask gave
                 part.__traceback__ = _traceback_of(frames)
     return exc
+
+
+def stuck_at(stacks: str) -> tuple[bool, str]:
+    r"""Where a rank's main thread is, from its :mod:`faulthandler` dump (every thread,
+    the main one last): whether it waits in a collective (``torch.distributed`` on top),
+    and its innermost frame of the user's own code, ``"train (train.py:42)"``.
+
+    >>> dump = (
+    ...     'Thread 0x01 (most recent call first):\n  File "/x/threading.py", line 9 in wait\n\n'
+    ...     'Current thread 0x02 (most recent call first):\n'
+    ...     '  File "/v/site-packages/torch/distributed/c10d.py", line 2 in all_reduce\n'
+    ...     '  File "/home/me/train.py", line 42 in train\n'
+    ... )
+    >>> stuck_at(dump)
+    (True, 'train (train.py:42)')
+    """
+    blocks = [b for b in _THREAD.split(stacks) if b.strip()]
+    if not blocks:
+        return False, "?"
+    frames = [m.groups() for m in map(_FRAME.match, blocks[-1].splitlines()) if m]
+    if not frames:
+        return False, "?"
+    waiting = any("torch/distributed/" in path for path, _, _ in frames[:4])
+    file, line, name = next((f for f in frames if not _library(f[0])), frames[0])
+    return waiting, f"{name} ({os.path.basename(file)}:{line})"
+
+
+def _library(path: str) -> bool:
+    """Whether ``path`` is library code (Python's, an installed package's, dask-ddp's)."""
+    return (
+        "site-packages" in path
+        or path.startswith(_STDLIB)
+        or path.startswith(_LIBRARY_DIRS)
+        or path.startswith("<frozen")
+    )
+
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep

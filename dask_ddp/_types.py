@@ -30,13 +30,17 @@ class JobState(str, enum.Enum):
     ::
 
         waiting ──> running ──> [stopping] ──> succeeded | failed | cancelled
-                     │   ^
+                     │   ^  <──> stalled
                      v   │
               restarting | resizing
 
     - ``waiting``: not enough free workers yet (other jobs hold them, or the cluster is
       still growing); it holds none meanwhile.
     - ``running``: its ranks are placed and run.
+    - ``stalled``: its ranks run, but none sent anything (a record, a checkpoint, a line)
+      for ``ddp.stall-timeout`` and their stacks did not change; the history entry names
+      the ranks outside a collective, the likely cause. ``running`` again once one does
+      (``ddp.stall-action``: ``restart`` or ``fail`` stops the attempt instead).
     - ``restarting``: a rank failed in a way that earns a restart (a lost worker in a
       fixed-size job, :class:`~dask_ddp.RetryableError`); the ranks are stopped and placed
       again, from the last checkpoint.
@@ -61,6 +65,7 @@ class JobState(str, enum.Enum):
     RUNNING = "running"
     RESTARTING = "restarting"
     RESIZING = "resizing"
+    STALLED = "stalled"
     STOPPING = "stopping"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

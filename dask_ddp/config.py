@@ -60,6 +60,8 @@ class Settings:
     checkpoint_mode: str = "async"
     checkpoint_replicas: bool = True
     replica_fraction: float = 0.25
+    stall_timeout: float | None = 120.0  # None: off
+    stall_action: str = "warn"
 
 
 def _seconds(value: Any, key: str) -> float:
@@ -129,6 +131,7 @@ def resolve(
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
     checkpoint_mode: str | None = None,
+    stall_timeout: TimeoutLike | None = None,
 ) -> Settings:
     """Read ``ddp.*`` once; explicit arguments win over configuration.
 
@@ -136,7 +139,10 @@ def resolve(
     90.0
     >>> resolve(checkpoint_mode="sync").checkpoint_mode
     'sync'
+    >>> resolve(stall_timeout="30s").stall_timeout, resolve(stall_timeout=0).stall_timeout
+    (30.0, None)
     """
+    stall = stall_timeout if stall_timeout is not None else get("ddp.stall-timeout")
     mode = checkpoint_mode if checkpoint_mode is not None else get("ddp.checkpoint.mode")
     return Settings(
         backend=backend if backend is not None else get("ddp.backend"),
@@ -159,7 +165,20 @@ def resolve(
         replica_fraction=_fraction(
             get("ddp.checkpoint.replica-memory"), "checkpoint.replica-memory"
         ),
+        stall_timeout=None if stall in (None, 0, "0", False) else _seconds(stall, "stall-timeout"),
+        stall_action=_stall_action(get("ddp.stall-action")),
     )
+
+
+_STALL_ACTIONS = ("warn", "restart", "fail")
+
+
+def _stall_action(value: Any) -> str:
+    if value not in _STALL_ACTIONS:
+        raise ValueError(
+            f"ddp.stall-action must be one of {', '.join(_STALL_ACTIONS)}; got {value!r}"
+        )
+    return str(value)
 
 
 def script_modules_limit() -> int:

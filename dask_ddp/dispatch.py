@@ -129,6 +129,7 @@ def launch(
     total_steps: int | None = None,
     name: str | None = None,
     detach: bool = False,
+    stall_timeout: TimeoutLike | None = None,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
 
@@ -225,6 +226,12 @@ def launch(
         Run to the end with no client at all. By default a job whose last client leaves
         goes on for ``ddp.orphan-timeout`` (10 minutes) for a client to attach, then is
         cancelled (see docs/jobs.md).
+    stall_timeout : float, str or timedelta, optional
+        A running job none of whose ranks sends anything (a record, a checkpoint, a
+        printed line) for this long, with stacks that do not change, is ``stalled``: its
+        history says so and names the ranks outside a collective, the likely cause
+        (:meth:`Job.stacks` shows every rank's stack). ``0`` turns it off; ``None`` reads
+        ``ddp.stall-timeout`` (2 minutes). ``ddp.stall-action`` says what a stall does.
 
     Returns
     -------
@@ -294,6 +301,7 @@ def launch(
         total_steps=total_steps,
         name=name,
         detach=detach,
+        stall_timeout=stall_timeout,
     )
 
 
@@ -321,10 +329,14 @@ def _launch(
     name: str | None = None,
     detach: bool = False,
     adaptive: bool | None = None,
+    stall_timeout: TimeoutLike | None = None,
 ) -> Job:
     args = tuple(args)
     kwargs = dict(kwargs or {})
-    settings = config.resolve(backend=backend, timeout=timeout, checkpoint_mode=checkpoint_mode)
+    settings = config.resolve(
+        backend=backend, timeout=timeout, checkpoint_mode=checkpoint_mode,
+        stall_timeout=stall_timeout,
+    )  # fmt: skip
     if total_steps is not None and (isinstance(total_steps, bool) or total_steps < 1):
         raise ValueError(f"total_steps must be a whole number of at least 1; got {total_steps!r}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:

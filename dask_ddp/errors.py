@@ -30,6 +30,7 @@ __all__ = [
     "JobCancelledError",
     "JobNameTakenError",
     "JobNotFoundError",
+    "JobStalledError",
     "JobStillRunningError",
     "MissingFieldError",
     "NoWorkersError",
@@ -289,6 +290,30 @@ class RankDiedError(InfrastructureError, RuntimeError):
             "before it returned or raised. Its worker is unharmed. Look for an out-of-memory "
             "kill in the host's kernel log or a crash in a C extension; max_restarts=N restarts "
             "the job from its last checkpoint."
+        )
+
+
+class JobStalledError(DaskDDPError, TimeoutError):
+    """No rank of the job progressed for ``ddp.stall-timeout`` with unchanged stacks, and
+    ``ddp.stall-action`` is ``fail``. Raised on the client; ``ranks`` are those outside a
+    collective (the likely cause).
+
+    Examples
+    --------
+    >>> print(JobStalledError("3f2a", "no rank progressed for 120 s; ...", (1,)))
+    ... # doctest: +ELLIPSIS
+    job 3f2a stalled: no rank progressed for 120 s; .... Job.stacks() shows where ...
+    """
+
+    def __init__(self, job: str, why: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(job, why, ranks)
+        self.job, self.why, self.ranks = job, why, tuple(ranks)
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.job} stalled: {self.why}. Job.stacks() shows where each rank is while "
+            "one runs; fix the hang, or raise ddp.stall-timeout if a step legitimately takes "
+            "that long."
         )
 
 
@@ -1200,11 +1225,21 @@ def to_wire(error: BaseException) -> dict[str, Any]:
     args = error.__reduce__()[1]  # what rebuilds it (OSError's args keep only two)
     return {
         "type": type(error).__name__,
-        "args": [a if isinstance(a, (str, int, float, type(None))) else str(a) for a in args],
+        "args": [_plain(a) for a in args],
         "text": text,
         "summary": getattr(error, "summary", None) or text.split("\n", 1)[0],
         "traceback": getattr(error, "rank_traceback", None) or None,
     }
+
+
+def _plain(value: Any) -> Any:
+    """A constructor argument as plain values (a tuple of ranks as a list); else its text."""
+    scalar = (str, int, float, type(None))
+    if isinstance(value, scalar):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, scalar) for v in value):
+        return list(value)
+    return str(value)
 
 
 def from_wire(data: dict[str, Any]) -> DaskDDPError:

@@ -33,7 +33,7 @@ import time
 from typing import Any, Protocol
 
 from . import _lifecycle as lc
-from . import errors
+from . import _traceback, errors
 from ._launcher import Attempt, Launcher
 from ._ledger import CheckpointLedger, describe_sources, writer_rank
 from ._progress import Progress, view_state
@@ -119,6 +119,7 @@ class Supervisor:
             drain=settings.event_drain_timeout,
             scale_timeout=settings.scale_timeout,
             orphan_timeout=settings.orphan_timeout,
+            stall_action=lc.StallAction(settings.stall_action),
         )
         self.life = lc.Life.new(self.policy)
         self.history: list[Transition] = []
@@ -144,6 +145,11 @@ class Supervisor:
         self._restored: tuple[str | None, int | None] = (None, None)
         self._wait_kind: lc.WaitKind | None = None
         self._version = 0  # of the last message to the clients (they ignore older ones)
+        # Stalls: when a rank of the current attempt last sent anything, and the ranks'
+        # stacks at the last sample taken while none did.
+        self._progress_at = time.monotonic()
+        self._stacks: dict[int, str] | None = None
+        self._watch: asyncio.TimerHandle | None = None
         self._soon: asyncio.TimerHandle | None = None  # a message due (_publish_soon)
 
     @property
@@ -155,6 +161,8 @@ class Supervisor:
     def start(self) -> None:
         """Start the job's life; :attr:`placed` resolves once it runs or waits."""
         self.feed(lc.Start())
+        if self.settings.stall_timeout is not None:
+            self._watch_stalls()
 
     def feed(self, fact: lc.Fact) -> None:
         """Take one fact: its step, then its actions, before the next fact is taken (a fact
@@ -182,6 +190,9 @@ class Supervisor:
             return  # the supervisor's own messages, or a rank of an attempt before this one
         if not 0 <= rank < len(a.workers):
             return
+        self._progress_at, self._stacks = time.monotonic(), None
+        if self.life.stalled:
+            self.feed(lc.Progressed(a.number))
         if msg.get("told"):
             try:
                 told = Told.from_wire(msg["told"])
@@ -329,6 +340,50 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    # -- stalls ----------------------------------------------------------------------------
+    def _watch_stalls(self) -> None:
+        """Every quarter of ``ddp.stall-timeout``: once no rank sent anything for half of
+        it, sample the ranks' stacks; a stall is no progress for the whole timeout and the
+        same stacks in two samples (a fact for ``step``, which says and acts)."""
+        timeout = self.settings.stall_timeout
+        assert timeout is not None
+        if self.life.phase is lc.Phase.ENDED:
+            return
+        loop = asyncio.get_running_loop()
+        self._watch = loop.call_later(max(0.5, timeout / 4), self._watch_stalls)
+        a = self.attempt
+        idle = time.monotonic() - self._progress_at
+        if a is None or self.life.phase is not lc.Phase.RUNNING or self.life.stalled:
+            return
+        if idle >= timeout / 2:
+            self._spawn(self._sample(a, idle, timeout), None, a.number)
+
+    async def _sample(self, a: Attempt, idle: float, timeout: float) -> None:
+        from ._protocol import Entry, call
+
+        try:
+            answers = await self.plugin.client.run(
+                call, Entry.RANK_STACKS, self.job_id, workers=list(a.workers), on_error="return"
+            )
+        except Exception as exc:  # a worker left meanwhile: no stall is decided on this one
+            logger.info("dask-ddp job %s: could not sample its stacks: %s", self.job_id, exc)
+            return
+        stacks = {r: text for r, text in (v for v in answers.values() if isinstance(v, tuple))}
+        if a is not self.attempt or time.monotonic() - self._progress_at < idle:
+            return  # progress meanwhile
+        seen, self._stacks = self._stacks, stacks
+        if idle < timeout or seen != stacks or len(stacks) < len(a.workers):
+            return
+        causes, where, waiting = [], [], []
+        for rank, text in sorted(stacks.items()):
+            in_collective, at = _traceback.stuck_at(text)
+            if in_collective:
+                waiting.append(rank)
+            else:
+                causes.append(rank)
+                where.append(at)
+        self.feed(lc.Stalled(a.number, idle, tuple(causes), tuple(where), tuple(waiting)))
+
     def _ask(self, action: lc.Ask) -> None:
         pool, number = self.plugin.pool, action.attempt
         got = pool.take(self.job_id, self._candidates(number), want=action.want, need=action.need)
@@ -400,6 +455,7 @@ class Supervisor:
         self.progress.place(attempt.workers)
         self.launcher.submit(attempt)
         # Clients hear of the placement before any of its ranks can say a word ...
+        self._progress_at, self._stacks = time.monotonic(), None
         self.feed(lc.Placed(attempt.number, tuple(attempt.workers)))
         # ... then of its futures, once any client can read them.
         await self.launcher.publish(attempt)
@@ -590,7 +646,7 @@ class Supervisor:
             self._since = now  # training stopped here
         reason = action.reason
         restored: tuple[str | None, int | None] = (None, None)
-        if state is JobState.RUNNING:
+        if state is JobState.RUNNING and old != JobState.STALLED.value:  # a new attempt's
             a = self.attempt
             hosts = len(
                 {
@@ -654,6 +710,8 @@ class Supervisor:
         if kind is lc.EndKind.RESIZES:
             count, limit = ending.detail
             return TooManyResizesError(self.job_id, count, limit, ending.why)
+        if kind is lc.EndKind.STALLED:
+            return errors.JobStalledError(self.job_id, ending.why, ending.detail)
         return DaskDDPError(ending.why)
 
     def _waiting(self, action: lc.Waiting) -> None:
@@ -702,10 +760,19 @@ class Supervisor:
             interval = self.settings.event_flush_interval
             self._soon = asyncio.get_running_loop().call_later(interval, self._publish)
 
+    def _holding(self) -> str | None:
+        """The line the views show under the job's title: what a waiting job waits for, or
+        why a stalled one is stalled."""
+        if self.life.phase is lc.Phase.WAITING:
+            return self.wait_reason
+        if self.life.stalled and self.history:
+            return f"stalled: {self.history[-1].reason}"
+        return None
+
     def public_state(self) -> dict[str, Any]:
         """The job as clients see it (msgpack-able): state, placement, history, error."""
         a = self.attempt
-        waiting = self.wait_reason if self.life.phase is lc.Phase.WAITING else None
+        waiting = self._holding()
         return {
             "kind": "state",
             "version": self._version,
@@ -750,7 +817,7 @@ class Supervisor:
             job=self.job_id,
             name=self.spec.name,
             state=self.state.value,
-            waiting=self.wait_reason if self.life.phase is lc.Phase.WAITING else None,
+            waiting=self._holding(),
             total=self.spec.total_steps,
             backend=a.backend if a is not None else "",
             elapsed=(self.finished or time.time()) - self.started,

@@ -471,3 +471,44 @@ def test_ctrl_c_on_a_no_python_command_ends_its_programs(
         p.pid for p in psutil.process_iter(["cmdline"]) if str(loop) in (p.info["cmdline"] or [])
     ]
     assert left == []
+
+
+HANGS = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    sys.stdout.write(f"HANGING {os.environ['RANK']}\\n")
+    sys.stdout.flush()
+    if dist.get_rank() == 1:
+        time.sleep(600)  # the hang
+    dist.barrier()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_stalled_job_says_so_in_one_line_and_its_stacks_print_by_name(
+    dask_processes: DaskProcesses, tmp_path: Path
+) -> None:
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    env = {"DASK_DDP__STALL_TIMEOUT": "2s"}
+    command = _command(
+        "--scheduler", dask_processes.address, "--nworkers", "2", "--name", "hangs", str(script),
+        env=env,
+    )  # fmt: skip
+    said = command.wait_for(r"dask_ddp: job \w+ stalled: (.*)")[1]
+    assert "rank 1 in <module> (hangs.py:" in said and "rank(s) 0" in said, said
+    stacks = subprocess.run(
+        [sys.executable, "-m", "dask_ddp", "--scheduler", dask_processes.address,
+         "--stacks", "hangs"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert stacks.returncode == 0, stacks.stderr
+    assert "rank 0 (on tcp://" in stacks.stdout and "rank 1 (on tcp://" in stacks.stdout
+    assert "in barrier" in stacks.stdout  # rank 0, blocked in gloo
+    command.proc.send_signal(signal.SIGINT)
+    assert command.proc.wait(60) == 130, command.text()[-3000:]
+    command.stop()

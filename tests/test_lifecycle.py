@@ -66,6 +66,7 @@ class World:
             drain=10.0,
             scale_timeout=300.0,
             orphan_timeout=600.0,
+            stall_action=rng.choice(list(lc.StallAction)),
         )
         self.names = itertools.count()
         self.cluster: set[str] = {self.new_name() for _ in range(rng.choice([0, 1, 2, 3, 4]))}
@@ -294,6 +295,8 @@ class World:
             weights["start"] = 3
         if running and cooperate:
             weights["end"] = 2
+        if running:
+            weights.update(stall=0.3, progress=0.3)
         if grow:
             if self.cluster:
                 weights["kill"] = 0.4
@@ -327,6 +330,15 @@ class World:
                 self.queue.append(lc.RankStarted(p.attempt, p.rank))
         elif pick == "end":
             self.end_proc(rng.choice(running), marker=rng.random() > 0.05)
+        elif pick == "stall":  # the supervisor saw no progress and the same stacks
+            ranks = sorted({p.rank for p in running})
+            causes = tuple(r for r in ranks if rng.random() < 0.5)
+            waiting = tuple(r for r in ranks if r not in causes)
+            where = tuple(f"train (train.py:{r})" for r in causes)
+            attempt = rng.choice([self.life.attempt, self.life.attempt, self.life.attempt - 1])
+            self.queue.append(lc.Stalled(attempt, 120.0, causes, where, waiting))
+        elif pick == "progress":
+            self.queue.append(lc.Progressed(self.life.attempt))
         elif pick == "kill":
             self.kill(rng.choice(sorted(self.cluster)), replace=rng.random() < 0.7)
         elif pick == "join":
@@ -369,6 +381,10 @@ class World:
             raise InvariantBroken(f"{life.state} published while the job is {life.phase}")
         if life.state is JobState.STOPPING and life.phase is not lc.Phase.STOPPING:
             raise InvariantBroken(f"'stopping' published while the job is {life.phase}")
+        if (life.state is JobState.STALLED) != life.stalled:
+            raise InvariantBroken(f"'{life.state.value}' published, stalled={life.stalled}")
+        if life.state is JobState.STALLED and life.phase is not lc.Phase.RUNNING:
+            raise InvariantBroken(f"'stalled' published while the job is {life.phase}")
         if before.phase is lc.Phase.ENDED:
             allowed = (lc.Release, lc.FailTask)  # a lost rank's future fails after the end too
             if any(not isinstance(a, allowed) for a in actions):

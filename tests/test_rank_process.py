@@ -135,20 +135,81 @@ def _hung_at_step(step: int) -> None:
         dist.all_reduce(t)
 
 
-def test_stacks_show_where_each_rank_of_a_hung_job_is(stopping_cluster: LocalCluster) -> None:
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def _stalled(job: dask_ddp.Job, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entries = [t for t in job.history if t.state is dask_ddp.JobState.STALLED]
+        if entries:
+            return entries[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no 'stalled' entry in {timeout} s: {job.history}")
+
+
+def test_a_hung_job_says_it_stalled_and_where_each_rank_is(
+    stopping_cluster: LocalCluster,
+) -> None:
     with Client(stopping_cluster) as client:
         client.wait_for_workers(2, timeout="60s")
         pids = client.run(os.getpid)
-        job = dask_ddp.launch(client, _hung_at_step, args=(5,))
+        job = dask_ddp.launch(client, _hung_at_step, args=(5,), stall_timeout=2)
         for record in job.iter_metrics(timeout=60):
             if record.metrics.get("hung"):
+                hung_at = record.time
                 break
+        entry = _stalled(job)
+        assert job.state is dask_ddp.JobState.STALLED
+        assert "rank 1 in _hung_at_step (test_rank_process.py:" in entry.reason
+        assert "waiting in a collective: rank(s) 0" in entry.reason
+        print(f"stalled {entry.time - hung_at:.2f} s after the hang (stall_timeout 2 s)")
+        assert job.view_state()["waiting"] == f"stalled: {entry.reason}"  # the views' line
+        metrics = _get(stopping_cluster.dashboard_link.replace("/status", "/metrics"))
+        assert 'dask_ddp_jobs{state="stalled"} 1.0' in metrics
         stacks = job.stacks()
         assert sorted(stacks) == [0, 1]
-        assert "in _hung_at_step" in stacks[1] and "time.sleep" not in stacks[0]
+        assert "in _hung_at_step" in stacks[1] and "in all_reduce" not in stacks[1]
         assert "in all_reduce" in stacks[0]  # blocked in C++, dumped all the same
-        assert "in all_reduce" not in stacks[1]
         job.cancel()
         assert job.stacks() == {}
         assert client.run(os.getpid) == pids
         assert _left(client, time.monotonic() + 10) == {}
+
+
+def _pauses(seconds: float) -> int:
+    t = torch.ones(1)
+    for i in range(4):
+        dask_ddp.report({"i": i}, step=i)
+        if i == 1:
+            time.sleep(seconds)  # every rank: no progress for a while, then on
+        dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def test_a_stall_clears_when_progress_resumes(client: Client) -> None:
+    job = dask_ddp.launch(client, _pauses, args=(4.0,), stall_timeout=1)
+    assert job.result(timeout=60) == [0, 1]
+    states = [t.state.value for t in job.history]
+    assert states == ["running", "stalled", "running", "succeeded"], job.history
+    assert job.history[2].reason == "progress resumed"
+
+
+def test_stall_action_fail_ends_the_job_with_the_ranks_named(client: Client) -> None:
+    with dask.config.set({"ddp.stall-action": "fail"}):
+        job = dask_ddp.launch(client, _hung_at_step, args=(1,), stall_timeout=1)
+    with pytest.raises(dask_ddp.errors.JobStalledError, match="rank 1 in _hung_at_step") as info:
+        job.result(timeout=60)
+    assert info.value.ranks == (1,)
+    assert job.wait_stopped(timeout=60)
+    assert [t.state.value for t in job.history] == ["running", "stalled", "stopping", "failed"]
+
+
+def test_a_stall_timeout_of_zero_turns_it_off(client: Client) -> None:
+    job = dask_ddp.launch(client, _pauses, args=(2.0,), stall_timeout=0)
+    assert job.result(timeout=60) == [0, 1]
+    assert [t.state.value for t in job.history] == ["running", "succeeded"]
