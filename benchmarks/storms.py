@@ -1,18 +1,25 @@
-"""Cancel and kill storms: a job's life under unlucky timing, with CPU load beside it.
+"""Cancel and kill storms: a job's life under unlucky timing, with CPU load beside it, on
+clusters with the default configuration (``ddp.*`` and ``distributed.*`` as users have them).
 
 Cancel storm: launch a 2-rank job, cancel it 0 to 1 s later (while it is placed, while its
-ranks gather, while they train, or while they import), then run the next job on the same
-workers. Most rounds train the way DDP does (a collective every step: they stop at once);
-every fifth spins in Python without ever reaching a point where it could stop, so its
-workers must be restarted. Kill storm: a 2-rank job on 3 workers, checkpoints every 5
-steps, ``max_restarts=3``; one rank's worker process is SIGKILLed 0 to 3 s after launch
-(at start, while training, while checkpointing). It must restart from its last
-checkpoint and train every step exactly once; then the next job runs on the same workers.
+ranks gather, while they run), then run the next job on the same workers. The rounds take
+turns: ranks that train the way DDP does (a collective every step), spin in Python, sleep
+with SIGTERM ignored (only the SIGKILL after ``ddp.failure-grace`` ends them), iterate a
+DataLoader with 2 worker processes, wait in a collective for a peer that sleeps, or run a
+``--no-python`` program. Every round must free its workers within ``ddp.failure-grace``
+plus 1 s; at the end no worker was restarted (same pids), the data persisted on the workers
+before the storm is still on the same workers, and no rank's process is left.
 
-After every round the next job checks that its workers inherited nothing from a stopped
-rank: torch names its process group as a fresh process would, no module is left half
-imported, and the process group works. The script prints each round, then the slowest
-time from ``cancel()`` to the workers being free, and from the kill to the job's end.
+Kill storm: a 2-rank job on 3 workers, checkpoints every 5 steps, ``max_restarts=3``; one
+rank's worker process is SIGKILLed 0 to 3 s after launch (at start, while training, while
+checkpointing). It must restart from its last checkpoint and train every step exactly
+once; then the next job runs on the same workers. A worker is never killed twice within
+``distributed.deploy.lost-worker-timeout``: SpecCluster would close its nanny (a Dask
+quirk the storm's own kills would hit, not something dask-ddp does).
+
+After every round the next job checks that its ranks inherited nothing from a stopped
+rank. The script prints each round, then the slowest time from ``cancel()`` to the
+workers being free, and from the kill to the job's end.
 
     python benchmarks/storms.py                       # 200 cancel rounds, 50 kill rounds
     python benchmarks/storms.py --cancel 20 --kill 5  # what the test suite runs
@@ -35,6 +42,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import dask
+import dask.array
+import dask.distributed
+import dask.utils
 import torch
 import torch.distributed as dist
 from distributed import Client, LocalCluster
@@ -51,22 +61,43 @@ class StormFailure(AssertionError):
 
 
 # -- what the ranks run -------------------------------------------------------------------
-def train_until_stopped(cooperative: bool) -> None:
-    """Trains until cancelled: a collective and a report every step (as DDP does), or a
-    pure-Python spin that never reaches a point where a rank can be stopped."""
+#: What the ranks of a cancel round do, in turn.
+KINDS = ("trains", "spins", "blocked", "loader", "collective", "program")
+
+
+class _SlowData(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.01)
+        return i
+
+
+def train_until_stopped(kind: str) -> None:
+    """Runs until cancelled, as ``kind`` says (:data:`KINDS`)."""
     import sympy  # noqa: F401  (a large lazy import a stop could land in)
 
+    if kind == "blocked":  # the user's own SIGTERM handling: only the SIGKILL ends it
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+    if kind == "collective" and dist.get_rank() == 1:
+        time.sleep(3600)  # its peer waits in all_reduce
+    if kind == "loader":
+        loader = torch.utils.data.DataLoader(_SlowData(), batch_size=4, num_workers=2)
+        for step, _ in enumerate(loader):
+            dask_ddp.report({"step": step}, step=step)
     t = torch.ones(256)
     step = 0
     while True:
-        if cooperative:
-            dist.all_reduce(t)
-            dask_ddp.report({"step": step}, step=step)
-            time.sleep(0.005)
-        else:
+        if kind == "spins":
             deadline = time.monotonic() + 0.05
             while time.monotonic() < deadline:
                 pass
+        else:
+            dist.all_reduce(t)
+            dask_ddp.report({"step": step}, step=step)
+            time.sleep(0.005)
         step += 1
 
 
@@ -145,8 +176,14 @@ def check_next_job(client: Client, workers: int, where: str) -> float:
 
 def cancel_round(client: Client, rng: random.Random, number: int) -> dict[str, Any]:
     """One launch, one cancel at a random moment, one next job."""
-    cooperative = number % 5 != 4
-    job = dask_ddp.launch(client, train_until_stopped, args=(cooperative,), name="storm")
+    kind = KINDS[number % len(KINDS)]
+    if kind == "program":
+        job = dask_ddp.launch_script(
+            client, "bash", ["-c", "while true; do sleep 0.1; done"], no_python=True,
+            name="storm",
+        )  # fmt: skip
+    else:
+        job = dask_ddp.launch(client, train_until_stopped, args=(kind,), name="storm")
     delay = rng.uniform(0, 1)
     time.sleep(delay)
     seen = job.state.value
@@ -157,8 +194,37 @@ def cancel_round(client: Client, rng: random.Random, number: int) -> dict[str, A
         raise StormFailure(f"cancel round {number}: the job ended {job.state.value}")
     where = f"cancel round {number} (after {delay:.3f} s, {seen})"
     next_job = check_next_job(client, 2, where)
-    return {"delay": delay, "state": seen, "cooperative": cooperative, "freed": freed,
-            "next": next_job}  # fmt: skip
+    return {"delay": delay, "state": seen, "kind": kind, "freed": freed, "next": next_job}
+
+
+def rank_processes(dask_worker: Any = None) -> list[int]:
+    """Run on a worker: the processes under its rank template but its spare (the ranks
+    running, or left behind, and everything they started)."""
+    import psutil
+
+    from dask_ddp import _rankproc
+
+    spare = _rankproc._spare
+    spare_pid = spare.process.pid if spare is not None else None
+    return [
+        p.pid
+        for template in psutil.Process().children()
+        for p in template.children(recursive=True)
+        if p.pid != spare_pid
+    ]
+
+
+def left_behind(client: Client, within: float = 10.0) -> dict[str, list[int]]:
+    """The workers with rank processes still alive ``within`` seconds from now."""
+    deadline = time.monotonic() + within
+    while True:
+        left = {w: pids for w, pids in client.run(rank_processes).items() if pids}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+_killed: dict[Any, float] = {}  # worker name -> when the storm last killed it
 
 
 def kill_round(
@@ -167,20 +233,30 @@ def kill_round(
     """One launch, one SIGKILL of a rank's worker process at a random moment, the job's
     end from its checkpoints, one next job."""
     pids = client.run(os.getpid)
+    names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    # No worker is killed twice within distributed.deploy.lost-worker-timeout (+1 s).
+    spacing = dask.utils.parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+    soonest = sorted(_killed.get(n, -1e9) for n in names.values())[1]  # two ranks' workers
+    time.sleep(max(0.0, soonest + spacing + 1 - time.monotonic()))
     url = os.path.join(directory, f"round{number}")
     job = dask_ddp.launch(
         client, train_with_checkpoints, args=(STEPS, EVERY, step_seconds), workers=2,
         max_restarts=3, checkpoint_dir=url, name="kill-storm",
     )  # fmt: skip
     delay = rng.uniform(0, 3)
-    victim = rng.randrange(2)
     time.sleep(delay)
     seen = job.state.value
+    # The rank whose worker was killed longest ago.
+    ranks = sorted(
+        range(len(job.workers)), key=lambda r: _killed.get(names.get(job.workers[r]), -1e9)
+    )
+    victim = ranks[0] if ranks else rng.randrange(2)
     worker = job.workers[victim] if job.workers else None
     killed = None
     if worker in pids:
         os.kill(pids[worker], signal.SIGKILL)
         killed = time.monotonic()
+        _killed[names[worker]] = killed
     where = f"kill round {number} (rank {victim} after {delay:.3f} s, {seen})"
     try:
         totals = [o["total"] for o in job.result(timeout=NEXT_JOB_TIMEOUT)]
@@ -206,11 +282,7 @@ def kill_round(
 
 
 def storm_cluster(workers: int) -> LocalCluster:
-    """A LocalCluster for a storm. Its nannies stay: SpecCluster closes a worker's nanny
-    ``distributed.deploy.lost-worker-timeout`` after a removal if no worker of that name is
-    there at that moment, which a worker killed twice within that time can hit while it
-    restarts (a distributed quirk, not a dask-ddp one)."""
-    dask.config.set({"distributed.deploy.lost-worker-timeout": "1 hour"})
+    """A LocalCluster for a storm, with the default configuration."""
     return LocalCluster(
         n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0"
     )
@@ -221,14 +293,24 @@ def run_cancel_storm(rounds: int, seed: int, say: Any = print) -> list[dict[str,
     results = []
     with storm_cluster(2) as cluster, Client(cluster) as client:
         client.wait_for_workers(2)
+        kept = client.persist(dask.array.arange(1000, chunks=100))  # other people's data
+        dask.distributed.wait(kept)
+        held = {k: sorted(v) for k, v in client.who_has(kept).items()}
+        pids = client.run(os.getpid)
         for number in range(rounds):
             r = cancel_round(client, rng, number)
             results.append(r)
             say(
-                f"cancel {number:3d}: after {r['delay']:.3f} s ({r['state']}, "
-                f"{'trains' if r['cooperative'] else 'spins'}): freed in {r['freed']:.2f} s, "
-                f"next job {r['next']:.2f} s"
+                f"cancel {number:3d}: after {r['delay']:.3f} s ({r['state']}, {r['kind']}): "
+                f"freed in {r['freed']:.2f} s, next job {r['next']:.2f} s"
             )
+        if client.run(os.getpid) != pids:
+            raise StormFailure(f"workers were restarted: {pids} -> {client.run(os.getpid)}")
+        if {k: sorted(v) for k, v in client.who_has(kept).items()} != held:
+            raise StormFailure("the data persisted before the storm moved or went")
+        left = left_behind(client)
+        if left:
+            raise StormFailure(f"rank processes left behind: {left}")
     return results
 
 
@@ -237,6 +319,7 @@ def run_kill_storm(
 ) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     results = []
+    _killed.clear()
     with (
         tempfile.TemporaryDirectory() as directory,
         storm_cluster(3) as cluster,
@@ -275,14 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if cancels:
         freed = sorted(r["freed"] for r in cancels)
-        spins = [r["freed"] for r in cancels if not r["cooperative"]]
-        trains = [r["freed"] for r in cancels if r["cooperative"]]
+        slowest = {k: max((r["freed"] for r in cancels if r["kind"] == k), default=float("nan"))
+                   for k in KINDS}  # fmt: skip
         print(
-            f"cancel: {len(cancels)} rounds, every next job ran; workers free after cancel(): "
-            f"slowest {freed[-1]:.2f} s, median {freed[len(freed) // 2]:.2f} s; training "
-            f"ranks slowest {max(trains, default=float('nan')):.2f} s, spinning ranks "
-            f"(their workers restarted) slowest {max(spins, default=float('nan')):.2f} s"
+            f"cancel: {len(cancels)} rounds, every next job ran, no worker restarted, the "
+            f"persisted data stayed, no rank process left; workers free after cancel(): "
+            f"slowest {freed[-1]:.2f} s, median {freed[len(freed) // 2]:.2f} s; slowest by "
+            "kind: " + ", ".join(f"{k} {v:.2f} s" for k, v in slowest.items())
         )
+        bound = dask.utils.parse_timedelta(dask.config.get("ddp.failure-grace")) + 1
+        late = [r for r in cancels if r["freed"] > bound]
+        if late:
+            print(f"FAILED: {len(late)} rounds freed their workers later than {bound:.0f} s")
+            return 1
     if kills:
         ended = sorted(r["recovered"] for r in kills if r["recovered"] == r["recovered"])
         print(

@@ -200,7 +200,6 @@ class Launcher:
                 max_restarts=spec.max_restarts,
                 pass_local_rank=spec.pass_local_rank,
                 threads_per_rank=settings.threads_per_rank,
-                allow_daemon_children=settings.allow_daemon_children,
                 tune_malloc=settings.tune_malloc,
                 failure_grace=settings.failure_grace,
                 can_grow=can_grow,

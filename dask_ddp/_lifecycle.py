@@ -70,6 +70,8 @@ class Phase(str, enum.Enum):
     ENDED = "ended"
 
 
+_RELEASE_AGAIN = 1.0  # seconds before giving back workers the pool failed to take is retried
+
 #: Seconds past ``ddp.failure-grace`` before the workers of ranks that did not stop are
 #: restarted: by then each worker has killed its rank's process tree, so a rank task still
 #: running means the worker itself does not answer.
@@ -84,6 +86,7 @@ class Timer(str, enum.Enum):
     STOP = "stop"  # the ranks were asked to stop: after this, their workers are restarted
     SCALE = "scale"  # the cluster is smaller than the job needs: after this, it fails
     ORPHAN = "orphan"  # no client follows the job: after this, it is cancelled
+    RELEASE = "release"  # giving workers back failed: after this, it is tried again
 
 
 class WaitKind(str, enum.Enum):
@@ -205,6 +208,7 @@ class Life:
     tokens: int = 0
     restarting: frozenset[str] = frozenset()  # workers asked to restart, not yet answered
     stalled: bool = False  # the running attempt is stalled (published: JobState.STALLED)
+    unreleased: frozenset[str] = frozenset()  # given back, but the pool failed to take them
 
     @classmethod
     def new(cls, policy: Policy) -> Life:
@@ -362,6 +366,9 @@ class ActionKind(str, enum.Enum):
     ABORT = "abort"
     RESTART = "restart"
     GROW = "grow"
+    RELEASE = "release"
+    PUBLISH = "publish"
+    FAIL_TASK = "fail-task"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -835,6 +842,9 @@ class _Step:
                 self.actions.append(RestartWorkers(life.attempt, stuck))
         elif fact.timer in (Timer.GRACE, Timer.DRAIN) and life.phase is Phase.RUNNING:
             self.evaluate(grace_over=fact.timer is Timer.GRACE, drain_over=True)
+        elif fact.timer is Timer.RELEASE and life.unreleased:
+            self.set(unreleased=frozenset())
+            self.release(life.unreleased)
 
     def on_ActionFailed(self, fact: ActionFailed) -> None:
         life = self.life
@@ -866,6 +876,18 @@ class _Step:
             self.progress()
         elif fact.action is ActionKind.ABORT:
             self.actions.append(Note(f"stopping attempt {fact.attempt}'s ranks: {fact.why}"))
+        elif fact.action is ActionKind.RELEASE:  # never held for good: tried again, 1 s on
+            self.set(unreleased=life.unreleased | fact.workers)
+            self.actions.append(
+                Note(
+                    f"giving back workers {sorted(fact.workers)} failed ({fact.why}); again in 1 s"
+                )
+            )
+            if life.armed(Timer.RELEASE) is None:
+                self.arm(Timer.RELEASE, _RELEASE_AGAIN)
+        elif fact.action in (ActionKind.PUBLISH, ActionKind.FAIL_TASK):
+            # The job's life goes on as decided; its clients are told what could not be done.
+            self.actions.append(Note(f"{fact.action.value} failed: {fact.why}"))
         # GROW: the ranks go on at their size; the next change of the cluster tries again
 
     # -- the attempt ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ from distributed.security import Security
 
 from . import _dashboard, _dask_internals, _preload
 from . import config as _config
+from ._lifecycle import STOP_MARGIN
 from ._pool import WorkerPool
 from ._protocol import HANDLERS, Entry, NamedWorkerPlugin, call, order_mark
 from ._types import JobSpec
@@ -55,6 +56,8 @@ from .placement import select_workers
 from .supervise import Size, Supervisor
 
 logger = logging.getLogger(__name__)
+
+_CANCEL_SLACK = 60.0  # seconds past failure grace and STOP_MARGIN: a stuck worker's restart
 
 PLUGIN_NAME = "dask-ddp"
 
@@ -175,7 +178,16 @@ class DaskDDPPlugin(SchedulerPlugin):
         except DaskDDPError as exc:
             return {"refused": to_wire(exc)}
         found.cancel(reason)
-        await found.stopped.wait()
+        # Answered within a bound: a job whose ranks do not stop (a worker that does not
+        # answer) is said to be stopping still; the client's cancel() waits for its end.
+        bound = found.settings.failure_grace + STOP_MARGIN + _CANCEL_SLACK
+        try:
+            await asyncio.wait_for(found.stopped.wait(), bound)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "dask-ddp job %s: not stopped %.0f s after its cancel; answering the client",
+                job, bound,
+            )  # fmt: skip
         return {"state": found.public_state()}
 
     def _handle_attach(self, job: str, client: str | None = None) -> dict[str, Any]:

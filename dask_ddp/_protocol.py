@@ -478,7 +478,6 @@ class RankSpec:
     max_restarts: int = 0
     pass_local_rank: bool = False
     threads_per_rank: int | None = None  # ddp.threads-per-rank
-    allow_daemon_children: bool = True  # ddp.allow-daemon-children
     tune_malloc: bool = True  # ddp.tune-malloc
     failure_grace: float = 5.0  # ddp.failure-grace: a stopped rank's SIGTERM to SIGKILL
     can_grow: bool = False

@@ -243,9 +243,19 @@ def abort_rank(
     if active is None:
         slot.take_store(job_id)
         return False
-    if active.master is not None:  # in case it waits at the rendezvous, in C++
+    # In case its ranks wait at the rendezvous, in C++ (a SIGTERM does not end that wait).
+    # A rank in its own process: rank 0's worker holds the job's store and releases the
+    # waits through it (no connection to a store that may be gone, whose failed tries c10d
+    # logs for seconds); a lane connects to it.
+    if active.process is not None and active.store is not None:
+        target: tuple[Any, Any] = (_release_waiters_in, active.store)
+    elif active.process is None and active.master is not None:
+        target = (_release_waiters, active.master)
+    else:
+        target = (None, None)
+    if target[0] is not None:
         threading.Thread(
-            target=_release_waiters, args=(active.master,), name="dask-ddp-release", daemon=True
+            target=target[0], args=(target[1],), name="dask-ddp-release", daemon=True
         ).start()
     logger.info("job %s: stopping rank %d: %s", job_id, active.rank, reason)
     return True
@@ -476,11 +486,20 @@ def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
 
     try:
         store = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception:  # the store is gone: nobody waits on it
+        logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
+        return
+    _release_waiters_in(store)
+
+
+def _release_waiters_in(store: Any) -> None:
+    """:func:`_release_waiters` through ``store``, the job's store or a connection to it."""
+    try:
         for stage in _STAGES:
             store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
         _resize.release_waiters(store, _ABORTED)  # or at a checkpoint of an elastic job
     except Exception:  # the store is gone: nobody waits on it
-        logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
+        logger.debug("could not release the rendezvous", exc_info=True)
 
 
 def _first_failure(

@@ -48,7 +48,6 @@ class Settings:
     failure_grace: float
     gpu_count: int | None
     threads_per_rank: int | None
-    allow_daemon_children: bool
     tune_malloc: bool = True
     max_event_bytes: int = 65536
     event_flush_interval: float = 0.2
@@ -151,7 +150,6 @@ def resolve(
         failure_grace=_seconds(get("ddp.failure-grace"), "failure-grace"),
         gpu_count=_optional_int(get("ddp.gpu-count"), "gpu-count"),
         threads_per_rank=_optional_int(get("ddp.threads-per-rank"), "threads-per-rank"),
-        allow_daemon_children=bool(get("ddp.allow-daemon-children")),
         tune_malloc=bool(get("ddp.tune-malloc")),
         max_event_bytes=_bytes(get("ddp.max-event-bytes"), "max-event-bytes"),
         event_flush_interval=_seconds(get("ddp.event-flush-interval"), "event-flush-interval"),

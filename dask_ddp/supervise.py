@@ -90,6 +90,19 @@ def first_line(error: BaseException) -> str:
     return str(getattr(error, "summary", None) or error).split("\n", 1)[0]
 
 
+def _failed(action: lc.Action, exc: Exception) -> lc.ActionFailed | None:
+    """The fact that ``action``, carried out at once, raised ``exc`` (None for actions
+    whose failure changes nothing of the job's life: a timer, a note)."""
+    why = f"{type(exc).__name__}: {exc}"
+    if isinstance(action, lc.Release):
+        return lc.ActionFailed(lc.ActionKind.RELEASE, workers=action.workers, error=exc, why=why)
+    if isinstance(action, lc.Publish):
+        return lc.ActionFailed(lc.ActionKind.PUBLISH, action.attempt, error=exc, why=why)
+    if isinstance(action, lc.FailTask):
+        return lc.ActionFailed(lc.ActionKind.FAIL_TASK, action.attempt, error=exc, why=why)
+    return None
+
+
 class Supervisor:
     """One job, attempt after attempt, on the scheduler's loop.
 
@@ -178,8 +191,11 @@ class Supervisor:
                 for action in actions:
                     try:
                         self._act(action)
-                    except Exception:  # a bug: said loudly, and the job's life goes on
+                    except Exception as exc:  # a fact: step decides what follows
                         logger.exception("dask-ddp job %s: %s failed", self.job_id, action)
+                        failed = _failed(action, exc)
+                        if failed is not None:
+                            self._facts.append(failed)
         finally:
             self._stepping = False
 

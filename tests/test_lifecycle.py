@@ -154,6 +154,11 @@ class World:
         elif isinstance(action, lc.RestartWorkers):
             self.later.append(("restart", action))
         elif isinstance(action, lc.Release):
+            if self.rng.random() < 0.05:  # the pool failed to take them: a fact for the job
+                self.queue.append(
+                    lc.ActionFailed(lc.ActionKind.RELEASE, workers=action.workers, why="bug")
+                )
+                return
             for w in action.workers:
                 if w not in self.cluster:
                     continue  # it left; the pool forgot it (its WorkerLost is on its way)
@@ -364,8 +369,11 @@ class World:
 
     # -- invariants ---------------------------------------------------------------------------
     def check_quiet(self) -> None:
-        """Once every fact due was taken: the job and the pool agree on what it holds."""
-        if self.life.held != self.held():
+        """Once every fact due was taken: the job and the pool agree on what it holds (what
+        the pool failed to take back is given back again once the RELEASE timer fires)."""
+        if self.life.unreleased and self.life.armed(lc.Timer.RELEASE) is None:
+            raise InvariantBroken(f"{set(self.life.unreleased)} left unreleased, no retry armed")
+        if self.life.held | (self.life.unreleased & self.cluster) != self.held():
             raise InvariantBroken(
                 f"the job thinks it holds {set(self.life.held)}, the pool {set(self.held())}"
             )
@@ -386,7 +394,9 @@ class World:
         if life.state is JobState.STALLED and life.phase is not lc.Phase.RUNNING:
             raise InvariantBroken(f"'stalled' published while the job is {life.phase}")
         if before.phase is lc.Phase.ENDED:
-            allowed = (lc.Release, lc.FailTask)  # a lost rank's future fails after the end too
+            allowed: tuple[type, ...] = (lc.Release, lc.FailTask)  # a lost rank's future too
+            if isinstance(fact, lc.ActionFailed) and fact.action is lc.ActionKind.RELEASE:
+                allowed = (lc.Note, lc.Arm)  # workers the pool failed to take: again, later
             if any(not isinstance(a, allowed) for a in actions):
                 raise InvariantBroken(f"an ended job acted: {actions}")
         if isinstance(fact, lc.WorkerLost) and life.phase in (
@@ -435,7 +445,7 @@ class World:
         self.pool_changed()
         self.run_queue()
         for n in range(limit):
-            if self.life.phase is lc.Phase.ENDED:
+            if self.life.phase is lc.Phase.ENDED and not self.life.unreleased:
                 return n
             if not self.event(cooperate=cooperate, grow=False):
                 break
@@ -472,7 +482,10 @@ def _sequence(seed: int) -> None:
             world.cancel()
             world.run_queue()
             world.settle(cooperate=False)
-            stops = [t for t in world.fired_after_cancel if t is not lc.Timer.STOP]
+            # (RELEASE gives back, again, workers the pool failed to take: no wait of the job's)
+            stops = [
+                t for t in world.fired_after_cancel if t not in (lc.Timer.STOP, lc.Timer.RELEASE)
+            ]
             if stops or world.fired_after_cancel.count(lc.Timer.STOP) > 1:
                 raise InvariantBroken(
                     "a cancel waited for more than ddp.failure-grace and one worker restart: "
