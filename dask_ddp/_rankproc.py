@@ -381,12 +381,14 @@ def _relay(
         except (EOFError, OSError):
             return None
         kind = message[0]
-        if kind == "put":
-            _, record, body, caller, urgent = message
-            with contextlib.suppress(Exception):  # the channel says so at its close
-                channel.put(record, body, caller, urgent=urgent)
-        elif kind == "status":
-            channel.put_status(message[1], message[2])
+        if kind == "puts":
+            for record in message[1]:
+                if record[0] == "put":
+                    _, what, body, caller, urgent = record
+                    with contextlib.suppress(Exception):  # the channel says so at its close
+                        channel.put(what, body, caller, urgent=urgent)
+                else:
+                    channel.put_status(record[1], record[2])
         elif kind == "call":
             _, call_id, name, args, has_data = message
             if has_data:  # its buffer follows at once
@@ -486,12 +488,20 @@ class RankLink:
     """The rank's process's end of the link: records out, calls answered, stops in.
 
     Duck-types :class:`~dask_ddp.events.RankChannel` (``put``, ``put_status``), so that
-    the rank's code sends as it did in the worker.
+    the rank's code sends as it did in the worker. A record is appended to a buffer (a
+    microsecond); a thread sends what gathered as one message as soon as it can, so that a
+    rank reporting in a tight loop sends batches and an idle one sends each record at once.
+    A stopped rank sends what is buffered before it ends (:meth:`end`); a SIGKILL loses at
+    most the batch not yet written.
     """
 
     def __init__(self, conn: Any, rank: int, job_id: str) -> None:
         self.conn, self.rank, self.job_id = conn, rank, job_id
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the pipe's writing end
+        self._buffer_lock = threading.Lock()
+        self._records: list[tuple] = []
+        self._pending = threading.Event()
+        self._failed: BaseException | None = None
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._next_call = 0
         self._closed = False
@@ -500,36 +510,60 @@ class RankLink:
         self.on_stop: Callable[[str, int | None], None] | None = None
         self._reader = threading.Thread(target=self._read, name="dask-ddp-link", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(
+            target=self._send_records, name="dask-ddp-link-out", daemon=True
+        )
+        self._sender.start()
 
-    def _send(self, message: tuple) -> None:
+    def _queue(self, record: tuple, caller: str) -> None:
         from .errors import ChannelError, NotInRankError
 
-        with self._lock:
+        if self._failed is not None:
+            why = f"the link to its worker closed ({self._failed})"
+            raise ChannelError(self.rank, self.job_id, why) from self._failed
+        with self._buffer_lock:
             if self._closed:
-                raise NotInRankError(str(message[3]) if message[0] == "put" else "report")
+                raise NotInRankError(caller)
+            self._records.append(record)
+            if len(self._records) == 1:
+                self._pending.set()
+
+    def _flush(self) -> None:
+        """Send what is buffered (the caller holds the pipe's lock)."""
+        with self._buffer_lock:
+            records, self._records = self._records, []
+            self._pending.clear()
+        if records:
+            self.conn.send(("puts", records))
+
+    def _send_records(self) -> None:
+        while True:
+            self._pending.wait()
             try:
-                self.conn.send(message)
-            except (OSError, ValueError) as exc:
-                raise ChannelError(
-                    self.rank, self.job_id, f"the worker's link closed ({exc})"
-                ) from exc
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._flush()
+            except (OSError, ValueError) as exc:  # put() raises it in the rank's thread
+                self._failed = exc
+                return
 
     def put(
         self, kind: str, body: list[Any], caller: str = "report", *, urgent: bool = False
     ) -> None:
-        """Send one record to the rank's task (written to the pipe before it returns)."""
+        """Queue one record for the rank's task; returns at once."""
         if os.getpid() != _PID:
             from .events import _ForkedProcess
 
             raise _ForkedProcess()
-        self._send(("put", kind, body, caller, urgent))
+        self._queue(("put", kind, body, caller, urgent), caller)
 
     def put_status(self, phase: str | None, detail: str = "") -> None:
-        """Send the rank's phase and activity; never raises."""
+        """Queue the rank's phase and activity; never raises."""
         if os.getpid() != _PID:
             return
         with contextlib.suppress(Exception):
-            self._send(("status", phase, detail))
+            self._queue(("status", phase, detail), "report")
 
     def call(self, name: str, *args: Any, data: Any = None, timeout: float | None = None) -> Any:
         """Ask the rank's worker to run its handler ``name`` on ``args`` (and ``data``, a
@@ -551,9 +585,13 @@ class RankLink:
         return future.result(timeout)
 
     def end(self, value: bytes | None, error: bytes | None, outcome: RankOutcome) -> None:
-        """The rank's last message: its value or error, and how it ended."""
+        """The rank's last message, after every record it queued: its value or error, and
+        how it ended."""
         with self._lock:
-            self._closed = True
+            self._flush()
+            with self._buffer_lock:
+                self._closed = True
+            self._pending.set()  # the sender thread ends
             self.conn.send(("end", value, error, outcome.to_wire()))
 
     def _read(self) -> None:
