@@ -387,6 +387,8 @@ def _relay(
                     _, what, body, caller, urgent = record
                     with contextlib.suppress(Exception):  # the channel says so at its close
                         channel.put(what, body, caller, urgent=urgent)
+                elif record[0] == "event":  # the rank's get_worker().log_event
+                    handlers["log_event"](record[1], record[2])
                 else:
                     channel.put_status(record[1], record[2])
         elif kind == "call":
@@ -632,10 +634,10 @@ class RankLink:
 
 class WorkerStandIn:
     """What ``distributed.get_worker()`` returns in a rank's own process: the rank's worker
-    as far as user code needs one: its ``address``, ``name``, ``scheduler.address``, and a
-    client (``get_client()``, and Dask objects unpickled in the rank: ``Event``,
-    ``Variable``, ``Future``), connected to the scheduler with the worker's own security
-    on first use.
+    as far as user code needs one: its ``address``, ``name``, ``scheduler.address``,
+    ``log_event`` (sent by the worker, in order with the rank's records), and a client
+    (``get_client()``, and Dask objects unpickled in the rank: ``Event``, ``Variable``,
+    ``Future``), connected to the scheduler with the worker's own security on first use.
     """
 
     def __init__(self, address: str, name: Any, scheduler: str, security: Any) -> None:
@@ -645,6 +647,13 @@ class WorkerStandIn:
         self.scheduler = types.SimpleNamespace(address=scheduler)
         self._client: Any = None
         self._lock = threading.Lock()
+        self.link: RankLink | None = None  # set in the rank's process
+
+    def log_event(self, topic: str | list[str], msg: Any) -> None:
+        """``Worker.log_event``, through the rank's worker."""
+        if self.link is None:
+            raise RuntimeError("log_event is only available in a rank's process")
+        self.link._queue(("event", topic, msg), "log_event")
 
     def __reduce__(self) -> tuple:
         return (WorkerStandIn, (self.address, self.name, self.scheduler.address, self.security))
@@ -692,7 +701,7 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     from . import _dask_internals
 
     _dask_internals.act_for_worker(worker)
-    link = RankLink(conn, spec.placement.rank, spec.run_id)
+    link = worker.link = RankLink(conn, spec.placement.rank, spec.run_id)
     from . import bootstrap
 
     value: Any = None

@@ -627,6 +627,7 @@ def _run_process(
         ),
         "replica_fetch": lambda *args: _rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
         "dataset_load": _load_dataset_window,
+        "log_event": worker.log_event,
     }
     return _rankproc.run(
         payload, spec, worker, channel=run.channel, handlers=handlers, on_start=on_start,

@@ -213,3 +213,23 @@ def test_a_stall_timeout_of_zero_turns_it_off(client: Client) -> None:
     job = dask_ddp.launch(client, _pauses, args=(2.0,), stall_timeout=0)
     assert job.result(timeout=60) == [0, 1]
     assert [t.state.value for t in job.history] == ["running", "succeeded"]
+
+
+def _as_in_a_task() -> tuple[str, int]:
+    from distributed import Variable, get_client, get_worker
+
+    worker = get_worker()
+    rank = dask_ddp.get_context().rank
+    worker.log_event("dask-ddp-test-rank-events", {"rank": rank})
+    Variable("dask-ddp-test-seen", client=get_client()).set(rank)
+    return worker.address, rank
+
+
+def test_a_rank_s_process_has_its_worker_and_a_client_as_a_task_does(client: Client) -> None:
+    job = dask_ddp.launch(client, _as_in_a_task)
+    assert job.result(timeout=60) == [(w, r) for r, w in enumerate(job.workers)]
+    events = client.get_events("dask-ddp-test-rank-events")
+    assert sorted(msg["rank"] for _, msg in events) == [0, 1]
+    from distributed import Variable
+
+    assert Variable("dask-ddp-test-seen", client=client).get(timeout=10) in (0, 1)
