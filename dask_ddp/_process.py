@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["children_allowed", "is_peer_loss", "platform_start_method"]
+__all__ = ["children_allowed", "children_allowed_here", "is_peer_loss", "platform_start_method"]
 
 
 @contextlib.contextmanager
@@ -42,6 +42,12 @@ def children_allowed(allowed: bool) -> Iterator[None]:
     finally:
         if allowed and was:
             config["daemon"] = was
+
+
+def children_allowed_here() -> None:
+    """Let this process start children for good (a rank's process, which its worker starts
+    as a daemon so that it ends with the worker, starts DataLoader workers)."""
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

@@ -6,13 +6,14 @@ starts the rank's process (:func:`run`), relays what the process sends and retur
 value. The worker never runs, or even unpickles, the user's function.
 
 - **The template.** Each worker keeps one ``multiprocessing`` forkserver that has imported
-  torch and dask-ddp and runs no threads; a rank's process is forked from it (tens of
-  milliseconds), so nothing a job leaves in a process (a half import, torch's group
-  counter, CUDA started under another ``CUDA_VISIBLE_DEVICES``, the worker's event loop
-  threads) reaches the next. The probe before a launch starts it (:func:`warm`).
+  torch and dask-ddp and runs no threads, and one spare process forked from it ahead of
+  the next rank (a fork of a torch process costs about 30 ms: the probe before a launch
+  forks the first, :func:`warm`, and each rank's end the next). Nothing a job leaves in a
+  process (a half import, torch's group counter, CUDA started under another
+  ``CUDA_VISIBLE_DEVICES``) reaches the next, and the worker never starts CUDA.
 - **The link.** One duplex pipe: the process sends its records (``report()``, output
-  lines, status, checkpoint notes) as it makes them, each written to the pipe before the
-  call returns, so a killed process loses none; the task puts them on the rank's
+  lines, status, checkpoint notes, ``log_event``) in batches, as soon as it can, and what
+  is buffered before it ends; the task puts them on the rank's
   :class:`~dask_ddp.events.RankChannel`, which batches them to the scheduler as before.
   What the process needs of its worker (the replica stores of peers, the worker's
   partitions of a Dask collection, a grow request) it asks over the same pipe
@@ -47,15 +48,15 @@ from typing import Any
 
 import cloudpickle
 
-from ._protocol import RankOutcome, RankSpec, Verdict
+from ._protocol import RankOutcome, RankSpec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RankLink", "RankProcess", "WorkerStandIn", "run", "warm"]
 
-#: Modules the template imports once, so that a rank's process starts with them.
-#: What a rank imports that is slow to import (``dask_ddp.data._collection_shard`` alone
-#: took 50 ms in each rank's process, of a 2-rank launch's 80 ms more than plain Dask).
+#: Modules the template imports once, so that a rank's process starts with them
+#: (``dask_ddp.data._collection_shard`` alone took 50 ms in each rank's process, of a 2-rank
+#: launch's 80 ms more than plain Dask, before it was preloaded).
 PRELOAD = [
     "__main__",
     "torch",
@@ -123,7 +124,6 @@ class RankProcess:
         self.pid: int = process.pid
         self.group: int | None = None  # its process group, once the process leads one
         self.stop_reason: str | None = None
-        self.killed = False
         self._stacks_fd = stacks_fd
         self._stacks_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -167,8 +167,6 @@ class RankProcess:
 
     def kill(self) -> None:
         """SIGKILL whatever is left of the rank's process group."""
-        if self.process.exitcode is None:
-            self.killed = True
         self._signal(signal.SIGKILL)
 
     def ended(self) -> None:
@@ -275,7 +273,7 @@ def run(
                 handle.kill()
                 handle.process.join()
             handle.ended()
-            threading.Thread(target=_refill, name="dask-ddp-refill", daemon=True).start()
+            threading.Thread(target=_refill_quietly, name="dask-ddp-refill", daemon=True).start()
     if ended is not None:
         return ended
     return _lost(handle, spec)
@@ -303,7 +301,9 @@ def _fork() -> _Spare:
         target=_rank_main,
         args=(rank_end, _Fd(stacks_w)),
         name="dask-ddp-rank",
-        daemon=False,  # a rank starts DataLoader workers; its group ends with its task
+        # Daemonic for its worker: a worker that exits ends its spare and its rank (else it
+        # would wait for them); the rank itself may have children (_rank_main).
+        daemon=True,
     )
     try:
         with _template_lock, _process.children_allowed(True):
@@ -334,6 +334,14 @@ def _refill() -> None:
         spare.process.join()
 
 
+def _refill_quietly() -> None:
+    """:func:`_refill` in the background: a failure only means the next rank forks its own."""
+    try:
+        _refill()
+    except Exception:  # the worker is closing
+        logger.debug("could not fork a spare rank process", exc_info=True)
+
+
 def _take() -> _Spare:
     """The spare rank process (forked now if none waits), once the ranks that ended here
     before it are gone (their GPU memory freed; each within its grace)."""
@@ -361,7 +369,7 @@ def _end_later(handle: RankProcess) -> None:
         handle.ended()
         with _spares_lock:
             _exiting.discard(handle)
-        _refill()
+        _refill_quietly()
 
     threading.Thread(target=wait, name="dask-ddp-rank-exit", daemon=True).start()
 
@@ -437,19 +445,18 @@ def _loaded(data: bytes | None) -> Any:
 
 def _lost(handle: RankProcess, spec: RankSpec) -> tuple[Any, BaseException, RankOutcome]:
     """How a rank ended whose process died before it said so: stopped, if it was asked to
-    stop; else a failure that names the signal or exit code."""
+    stop; else :class:`~dask_ddp.errors.RankDiedError`, which names the signal or exit
+    code (and earns a restart, as a worker process's death does under torchrun)."""
+    from .bootstrap import outcome_of
     from .errors import RankDiedError, RankStoppedError
 
-    code = handle.process.exitcode
     rank = spec.placement.rank
+    error: BaseException
     if handle.stop_reason is not None:
-        error: BaseException = RankStoppedError(rank, handle.stop_reason, job=spec.run_id)
-        return None, error, RankOutcome(Verdict.STOPPED, "dask_ddp.errors.RankStoppedError",
-                                        handle.stop_reason)  # fmt: skip
-    error = RankDiedError(rank, spec.placement.worker, spec.key, code)
-    cls = type(error)
-    return None, error, RankOutcome(Verdict.FAIL, f"{cls.__module__}.{cls.__qualname__}",
-                                    f"{cls.__name__}: {error}")  # fmt: skip
+        error = RankStoppedError(rank, handle.stop_reason, job=spec.run_id)
+    else:
+        error = RankDiedError(rank, spec.placement.worker, spec.key, handle.process.exitcode)
+    return None, error, outcome_of(error=error)
 
 
 class _Fd:
@@ -691,6 +698,9 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     global _PID
     _PID = os.getpid()
     os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
+    from . import _process
+
+    _process.children_allowed_here()  # DataLoader workers, as under torchrun
     faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
     os.register_at_fork(after_in_child=_reset_in_forked_child)
     conn.send(("hello", os.getpgid(0)))
