@@ -137,9 +137,14 @@ class RankProcess:
 
     def send_bytes(self, message: tuple, data: Any) -> None:
         """Send a header, then ``data`` as raw bytes (the process reads it in place)."""
+        self.send_many(message, [data])
+
+    def send_many(self, message: tuple, buffers: list[Any]) -> None:
+        """Send a header, then each of ``buffers`` as raw bytes, together."""
         with self._send_lock, contextlib.suppress(OSError, ValueError):
             self.conn.send(message)
-            self.conn.send_bytes(data)
+            for data in buffers:
+                self.conn.send_bytes(data)
 
     def _signal(self, sig: int) -> None:
         with self._lock:
@@ -427,6 +432,11 @@ def _answer(
         return
     if isinstance(value, RawBytes):
         handle.send_bytes(("reply-bytes", call_id, len(value.data)), value.data)
+    elif isinstance(value, OutOfBand):
+        buffers: list[Any] = []
+        head = cloudpickle.dumps(value.value, protocol=5, buffer_callback=buffers.append)
+        raw = [b.raw() for b in buffers]
+        handle.send_many(("reply-oob", call_id, head, [r.nbytes for r in raw]), raw)
     else:
         handle.send(("reply", call_id, True, cloudpickle.dumps(value)))
 
@@ -437,6 +447,15 @@ class RawBytes:
 
     def __init__(self, data: Any) -> None:
         self.data = data
+
+
+class OutOfBand:
+    """A handler's answer whose large buffers (numpy arrays, a DataFrame's columns) travel
+    beside its pickle (protocol 5), each read by the rank straight into the buffer its
+    array then uses: the pipe's copy, and no second one."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 def _loaded(data: bytes | None) -> Any:
@@ -631,6 +650,16 @@ class RankLink:
                 future = self._calls.pop(call_id, None)
                 if future is not None:
                     future.set_result(buffer)
+            elif kind == "reply-oob":
+                _, call_id, head, sizes = message
+                buffers = []
+                for nbytes in sizes:
+                    buffer = bytearray(nbytes)
+                    conn.recv_bytes_into(buffer)
+                    buffers.append(buffer)
+                future = self._calls.pop(call_id, None)
+                if future is not None:
+                    future.set_result(cloudpickle.loads(head, buffers=buffers))
         # The worker is gone (killed, or its task ended before this process): so is the rank.
         with self._lock:
             ending = self._closed

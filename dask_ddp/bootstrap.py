@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -636,7 +637,7 @@ def _run_process(
 
 
 def _as_bytes(data: Any) -> Any:
-    """A fetched replica (bytes, or a uint8 tensor) as a buffer to send, None if missing."""
+    """A fetched replica (bytes, or a uint8 tensor) as a buffer to send; empty if missing."""
     if data is None:
         return b""
     if hasattr(data, "numpy"):
@@ -644,9 +645,11 @@ def _as_bytes(data: Any) -> Any:
     return data
 
 
-def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> tuple[Any, dict[str, float]]:
+def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> Any:
     """A window of a Dask collection's partitions, read in the worker for its rank's
-    process, and the counts the read made."""
+    process, and the counts the read made; its arrays travel out of band (no copy into
+    a pickle)."""
+    from . import _rankproc
     from .data import _collection_shard
 
     counts: dict[str, float] = {}
@@ -655,14 +658,12 @@ def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> tuple[Any, dict[st
         counts[name] = counts.get(name, 0) + n
 
     data, _ = _collection_shard._Fetcher(plan, count).load(pieces, fmt)
-    return data, counts
+    return _rankproc.OutOfBand((data, counts))
 
 
 def run_in_process(payload: bytes, spec: RankSpec, link: Any) -> Any:
     """The rank, in its own process (:func:`dask_ddp._rankproc._rank_main`): the torchrun
     environment and thread share set before anything starts, then :func:`_run_in_slot`."""
-    import signal
-
     os.environ.update(_torchrun_env(spec))
     run = RankRun(
         spec.run_id,
