@@ -75,8 +75,11 @@ class _SlowData(torch.utils.data.Dataset):
 
 
 def train_until_stopped(kind: str) -> None:
-    """Runs until cancelled, as ``kind`` says (:data:`KINDS`)."""
+    """Runs until cancelled, as ``kind`` says (:data:`KINDS`), once it reported that it
+    started."""
     import sympy  # noqa: F401  (a large lazy import a stop could land in)
+
+    dask_ddp.report({"started": 1})
 
     if kind == "blocked":  # the user's own SIGTERM handling: only the SIGKILL ends it
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

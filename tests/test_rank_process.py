@@ -9,20 +9,24 @@ processes and the data persisted on them, and no process of the rank is left.
 from __future__ import annotations
 
 import os
-import signal
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import dask
 import dask.array as da
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import Client, LocalCluster, wait
 
 import dask_ddp
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import storms  # noqa: E402  (its rounds' kinds of stuck ranks, and its checks)
 
 
 @pytest.fixture(scope="module")
@@ -34,72 +38,9 @@ def stopping_cluster() -> Iterator[LocalCluster]:
         yield cluster
 
 
-def _spin() -> None:
-    ctx = dask_ddp.get_context()
-    dask_ddp.report({"started": 1}, step=0)
-    while ctx is not None:
-        pass
-
-
-def _blocked_ignoring_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the user's own handler: ours is gone
-    dask_ddp.report({"started": 1}, step=0)
-    time.sleep(600)
-
-
-class _Slow(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 1000
-
-    def __getitem__(self, i: int) -> int:
-        time.sleep(0.5)
-        return i
-
-
-def _in_a_loader() -> None:
-    loader = torch.utils.data.DataLoader(_Slow(), batch_size=2, num_workers=2)
-    for step, _ in enumerate(loader):
-        dask_ddp.report({"started": 1}, step=step)
-
-
-def _in_a_collective() -> None:
-    dask_ddp.report({"started": 1}, step=0)
-    if dist.get_rank() == 1:
-        time.sleep(600)
-    dist.all_reduce(torch.ones(1))
-
-
-def _rank_processes(dask_worker: Any = None) -> list[int]:
-    """The processes under this worker's template but its spare (forked ahead, no rank
-    yet): the ranks and what they started."""
-    from dask_ddp import _rankproc
-
-    spare = _rankproc._spare
-    spare_pid = spare.process.pid if spare is not None else None
-    me = psutil.Process()
-    return [
-        p.pid
-        for template in me.children()
-        for p in template.children(recursive=True)
-        if p.pid != spare_pid
-    ]
-
-
-def _left(client: Client, deadline: float) -> dict[str, list[int]]:
-    while True:
-        left = {w: pids for w, pids in client.run(_rank_processes).items() if pids}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
-@pytest.mark.parametrize(
-    "fn",
-    [_spin, _blocked_ignoring_sigterm, _in_a_loader, _in_a_collective],
-    ids=lambda f: f.__name__,
-)
+@pytest.mark.parametrize("kind", ["spins", "blocked", "loader", "collective"])
 def test_a_stopped_rank_ends_its_process_tree_and_never_its_worker(
-    stopping_cluster: LocalCluster, fn: Any
+    stopping_cluster: LocalCluster, kind: str
 ) -> None:
     with Client(stopping_cluster) as client:
         client.wait_for_workers(2, timeout="60s")
@@ -107,22 +48,24 @@ def test_a_stopped_rank_ends_its_process_tree_and_never_its_worker(
         wait(kept)
         held = {k: sorted(v) for k, v in client.who_has(kept).items()}
         pids = client.run(os.getpid)
-        job = dask_ddp.launch(client, fn)
+        job = dask_ddp.launch(client, storms.train_until_stopped, args=(kind,))
         started = set()
-        for record in job.iter_metrics(timeout=60):  # every rank is in fn
-            started.add(record.rank)
+        for record in job.iter_metrics(timeout=60):  # every rank is where its kind stops
+            if kind != "loader" or record.step is not None:  # a batch came
+                started.add(record.rank)
             if len(started) == 2:
                 break
+        time.sleep(0.3)  # the sleepers asleep, rank 0 inside all_reduce
         began = time.monotonic()
         job.cancel()
         took = time.monotonic() - began
         assert job.state is dask_ddp.JobState.CANCELLED
         grace = dask.config.get("ddp.failure-grace")
-        assert _left(client, time.monotonic() + 10) == {}  # the rank's whole tree is gone
+        assert storms.left_behind(client) == {}  # the rank's whole tree is gone
         assert client.run(os.getpid) == pids  # no worker was restarted
         assert {k: sorted(v) for k, v in client.who_has(kept).items()} == held
         assert kept.sum().compute() == sum(range(1000))
-        print(f"{fn.__name__}: cancel() took {took:.2f} s (ddp.failure-grace {grace})")
+        print(f"{kind}: cancel() took {took:.2f} s (ddp.failure-grace {grace})")
         assert dask_ddp.launch(client, dist.get_world_size).result(timeout=60) == [2, 2]
 
 
@@ -178,7 +121,7 @@ def test_a_hung_job_says_it_stalled_and_where_each_rank_is(
         job.cancel()
         assert job.stacks() == {}
         assert client.run(os.getpid) == pids
-        assert _left(client, time.monotonic() + 10) == {}
+        assert storms.left_behind(client) == {}
 
 
 def _pauses(seconds: float) -> int:
