@@ -35,7 +35,6 @@ from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.security import Security
 
 from . import _dashboard, _dask_internals, _preload
 from . import config as _config
@@ -129,7 +128,7 @@ class DaskDDPPlugin(SchedulerPlugin):
                 name="dask-ddp-supervisor",
                 # A TLS cluster (Security.temporary(), dask-gateway, Coiled) takes only
                 # connections that show its certificate: the scheduler's own.
-                security=scheduler_security(self.scheduler.security),
+                security=_config.client_security(self.scheduler.security, "scheduler"),
             )
             # Workers serve large rank messages to clients directly (dask_ddp.events), and
             # checkpoint replicas to each other (dask_ddp._replicas).
@@ -372,29 +371,6 @@ class DaskDDPPlugin(SchedulerPlugin):
         self._topics.pop(job.topic, None)
         if job.attempt is not None:
             self.unwatch_keys(job.attempt.keys)
-
-
-def scheduler_security(security: Security) -> Security:
-    """The security a client inside the scheduler connects with: the cluster's own, with
-    the scheduler's certificate and key in the client's role.
-
-    A ``Client`` presents its ``tls_client_*`` certificate, which a scheduler started with
-    only its own (``dask scheduler --tls-cert``, dask-gateway's clusters) does not have.
-    A cluster without TLS is left as it is.
-
-    >>> from distributed.security import Security
-    >>> sec = scheduler_security(Security(tls_ca_file="ca.pem",
-    ...     tls_scheduler_cert="scheduler.pem", tls_scheduler_key="scheduler.key"))
-    >>> sec.tls_client_cert, sec.tls_client_key, sec.require_encryption
-    ('scheduler.pem', 'scheduler.key', True)
-    >>> scheduler_security(Security()).tls_client_cert is None
-    True
-    """
-    fields = {name: getattr(security, name) for name in Security.__slots__}
-    if security.tls_scheduler_cert:
-        fields["tls_client_cert"] = security.tls_scheduler_cert
-        fields["tls_client_key"] = security.tls_scheduler_key
-    return Security(**fields)
 
 
 def _plugin_of(scheduler: Any) -> DaskDDPPlugin:

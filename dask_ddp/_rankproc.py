@@ -696,7 +696,10 @@ class WorkerStandIn:
 
     @classmethod
     def of(cls, worker: Any) -> WorkerStandIn:
-        return cls(worker.address, worker.name, worker.scheduler.address, worker.security)
+        from .config import client_security
+
+        security = client_security(worker.security, "worker")  # the worker's own certificate
+        return cls(worker.address, worker.name, worker.scheduler.address, security)
 
     def _get_client(self, timeout: float | None = None) -> Any:
         with self._lock:

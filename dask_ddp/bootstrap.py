@@ -536,6 +536,19 @@ def _first_failure(
     return None if first == rank else (first, cause)
 
 
+def _recorded_failure(store: Any, rank: int | None) -> str | None:
+    """The error ``rank`` recorded as the job's first failure (``"ValueError: ..."``), if it
+    did; never waits."""
+    if rank is None:
+        return None
+    try:
+        if not store.check([_FIRST_FAILURE]) or int(store.get(_FIRST_FAILURE)) != rank:
+            return None
+        return store.get(_FIRST_ERROR).decode("utf-8", "replace")
+    except (RuntimeError, TimeoutError, ValueError):  # rank 0's store is gone
+        return None
+
+
 def run_rank(payload: bytes, spec: RankSpec) -> Any:
     """The rank task: start the rank's own process, relay what it sends, return its value.
 
@@ -814,14 +827,17 @@ def _run_in_slot(
         ):
             return fn(*args, **kwargs)
     except BaseException as exc:
-        if run.stop_reason is not None:  # a safe point, or a collective with a peer gone
-            if isinstance(exc, StopRequested):
-                raise exc.stopped() from None
+        if run.stop_reason is not None:  # its stop, or a collective with a peer gone
             if isinstance(exc, RankStoppedError):
                 raise
-            raise RankStoppedError(
-                p.rank, run.stop_reason, job=spec.run_id, failed_rank=run.stop_failed_rank
-            ) from exc
+            # Stopped because a rank failed: that rank's own error, as it recorded it.
+            reason = _recorded_failure(store, run.stop_failed_rank) or run.stop_reason
+            stopped = RankStoppedError(
+                p.rank, reason, job=spec.run_id, failed_rank=run.stop_failed_rank
+            )
+            if isinstance(exc, StopRequested):
+                raise stopped from None
+            raise stopped from exc
         first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
         if isinstance(exc, _resize.GrowAtCheckpoint):
             # Every rank stops here (rank 0 recorded it first, for a rank that skipped the

@@ -183,3 +183,29 @@ def script_modules_limit() -> int:
     """``ddp.script-modules-limit`` in bytes: the most a script's own modules may weigh
     when shipped with its job (see :func:`dask_ddp.launch_script`)."""
     return _bytes(get("ddp.script-modules-limit"), "script-modules-limit")
+
+
+def client_security(security: Any, role: str) -> Any:
+    """The security a ``Client`` made inside a server of the cluster connects with: the
+    cluster's own, with that server's (``role``: ``"scheduler"``, ``"worker"``) certificate
+    and key in the client's role.
+
+    A ``Client`` presents its ``tls_client_*`` certificate, which a scheduler or worker
+    started with only its own (``dask scheduler --tls-cert``, dask-gateway's clusters) does
+    not have. A cluster without TLS is left as it is.
+
+    >>> from distributed.security import Security
+    >>> sec = client_security(Security(tls_ca_file="ca.pem",
+    ...     tls_scheduler_cert="scheduler.pem", tls_scheduler_key="scheduler.key"), "scheduler")
+    >>> sec.tls_client_cert, sec.tls_client_key, sec.require_encryption
+    ('scheduler.pem', 'scheduler.key', True)
+    >>> client_security(Security(), "worker").tls_client_cert is None
+    True
+    """
+    from distributed.security import Security
+
+    fields = {name: getattr(security, name) for name in Security.__slots__}
+    if getattr(security, f"tls_{role}_cert"):
+        fields["tls_client_cert"] = getattr(security, f"tls_{role}_cert")
+        fields["tls_client_key"] = getattr(security, f"tls_{role}_key")
+    return Security(**fields)

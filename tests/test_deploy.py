@@ -120,13 +120,15 @@ def _check_followed(job: dask_ddp.Job) -> None:
 
 # -- what the rendezvous exposes --------------------------------------------------------
 def _store_listens_on() -> list[str]:
-    """On rank 0: the addresses the job's store listens on (it is in this process)."""
+    """On rank 0: the addresses the job's store listens on (it is in rank 0's worker, the
+    parent of the rank's template)."""
     import psutil
 
     port = int(os.environ["MASTER_PORT"])
+    worker = psutil.Process(psutil.Process().parent().ppid())
     return sorted(
         c.laddr.ip
-        for c in psutil.Process().net_connections(kind="tcp")
+        for c in worker.net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN and c.laddr.port == port
     )
 

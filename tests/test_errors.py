@@ -37,7 +37,7 @@ def test_each_outcome_of_a_job_is_one_class_to_catch() -> None:
         "WorkerLostError", "ScaleTimeoutError", "TooManyResizesError", "ChannelError",
         "SchedulerPluginError",
         "SampleFetchError", "StorageAccessError", "DatasetPartitionLostError",
-        "CheckpointUploadError",
+        "CheckpointUploadError", "RankDiedError",
     }  # fmt: skip
     for name, cls in _public_exceptions().items():
         if cls.__name__ in infrastructure:
@@ -69,6 +69,8 @@ def test_the_job_s_errors_pickle_and_travel_as_plain_values() -> None:
         dask_ddp.RankFailedError(1, "tcp://w:1", "k", "ValueError: x", "Traceback ..."),
         dask_ddp.CheckpointUploadError(0, 20, "s3://b/r/c.pt", "PermissionError: denied", 10),
         dask_ddp.CheckpointShardsError("s3://b/r", 40, 4, 2),
+        dask_ddp.RankDiedError(1, "tcp://w:1", "k", -9),
+        dask_ddp.JobStalledError("3f2a", "no rank progressed for 120 s", (1,)),
     ):
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error)
