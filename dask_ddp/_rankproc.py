@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 
@@ -222,10 +222,20 @@ class RankProcess:
 Handler = Callable[..., Any]
 
 
+class RankBody(NamedTuple):
+    """What runs in a rank's process, given to it with its rank (module-level functions,
+    pickled by name: this module never imports the rank's code)."""
+
+    run: Callable[[bytes, RankSpec, Any], Any]  # (payload, spec, link) -> the value
+    outcome: Callable[..., RankOutcome]  # (value, error) -> how the rank ended
+    finish: Callable[[], None]  # after a success, once its end was told (the group's teardown)
+
+
 def run(
     payload: bytes,
     spec: RankSpec,
     worker: Any,
+    body: RankBody,
     *,
     channel: Any,
     handlers: dict[str, Handler],
@@ -243,6 +253,8 @@ def run(
         The rank's plan.
     worker : distributed.Worker
         The rank's worker (what its process's ``get_worker()`` stands in for).
+    body : RankBody
+        What the process runs.
     channel : RankChannel
         Where the rank's records go.
     handlers : dict
@@ -266,7 +278,7 @@ def run(
     ended: tuple[Any, BaseException | None, RankOutcome] | None = None
     try:
         on_start(handle)
-        handle.send(("go", payload, spec, WorkerStandIn.of(worker)))
+        handle.send(("go", payload, spec, WorkerStandIn.of(worker), body))
         ended = _relay(handle, channel, handlers, pool)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -281,7 +293,7 @@ def run(
             threading.Thread(target=_refill_quietly, name="dask-ddp-refill", daemon=True).start()
     if ended is not None:
         return ended
-    return _lost(handle, spec)
+    return _lost(handle, spec, body)
 
 
 class _Spare:
@@ -462,11 +474,12 @@ def _loaded(data: bytes | None) -> Any:
     return None if data is None else cloudpickle.loads(data)
 
 
-def _lost(handle: RankProcess, spec: RankSpec) -> tuple[Any, BaseException, RankOutcome]:
+def _lost(
+    handle: RankProcess, spec: RankSpec, body: RankBody
+) -> tuple[Any, BaseException, RankOutcome]:
     """How a rank ended whose process died before it said so: stopped, if it was asked to
     stop; else :class:`~dask_ddp.errors.RankDiedError`, which names the signal or exit
     code (and earns a restart, as a worker process's death does under torchrun)."""
-    from .bootstrap import outcome_of
     from .errors import RankDiedError, RankStoppedError
 
     rank = spec.placement.rank
@@ -475,7 +488,7 @@ def _lost(handle: RankProcess, spec: RankSpec) -> tuple[Any, BaseException, Rank
         error = RankStoppedError(rank, handle.stop_reason, job=spec.run_id)
     else:
         error = RankDiedError(rank, spec.placement.worker, spec.key, handle.process.exitcode)
-    return None, error, outcome_of(error=error)
+    return None, error, body.outcome(None, error)
 
 
 class _Fd:
@@ -726,7 +739,7 @@ def _reset_in_forked_child() -> None:
 
 def _rank_main(conn: Any, stacks: _Fd) -> None:
     """A rank's process, forked from its worker's template ahead of its rank: it waits for
-    ``("go", payload, spec, worker)``, then runs the rank and says how it ended."""
+    ``("go", payload, spec, worker, body)``, then runs the rank and says how it ended."""
     global _PID
     _PID = os.getpid()
     os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
@@ -737,22 +750,20 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     os.register_at_fork(after_in_child=_reset_in_forked_child)
     conn.send(("hello", os.getpgid(0)))
     try:
-        _, payload, spec, worker = conn.recv()
+        _, payload, spec, worker, body = conn.recv()
     except (EOFError, OSError):  # the worker went, or let this spare go
         return
     from . import _dask_internals
 
     _dask_internals.act_for_worker(worker)
     link = worker.link = RankLink(conn, spec.placement.rank, spec.run_id)
-    from . import bootstrap
-
     value: Any = None
     error: BaseException | None = None
     try:
-        value = bootstrap.run_in_process(payload, spec, link)
+        value = body.run(payload, spec, link)
     except BaseException as exc:
         error = exc
-    outcome = bootstrap.outcome_of(value, error)
+    outcome = body.outcome(value, error)
     # Ending: a stop changes nothing now, and no handler (ours, or a DataLoader's SIGCHLD
     # one) may run in the middle of the last message.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD, signal.SIGINT})
@@ -764,7 +775,7 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
         error = NotPicklableError(
             f"rank {spec.placement.rank}'s return value", f"{type(exc).__name__}: {exc}"
         )
-        outcome = bootstrap.outcome_of(None, error)
+        outcome = body.outcome(None, error)
         sent_value = None
     sent_error = None if error is None else cloudpickle.dumps(_picklable(error))
     sys.stdout.flush()
@@ -772,4 +783,4 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     link.end(sent_value, sent_error, outcome)
     if error is None:
         with contextlib.suppress(Exception):  # its task returned: nobody to tell
-            bootstrap.end_process_group()
+            body.finish()

@@ -643,8 +643,9 @@ def _run_process(
         "dataset_load": _load_dataset_window,
         "log_event": worker.log_event,
     }
+    body = _rankproc.RankBody(run_in_process, outcome_of, end_process_group)
     return _rankproc.run(
-        payload, spec, worker, channel=run.channel, handlers=handlers, on_start=on_start,
+        payload, spec, worker, body, channel=run.channel, handlers=handlers, on_start=on_start,
         grace=spec.failure_grace,
     )  # fmt: skip
 

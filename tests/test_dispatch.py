@@ -435,12 +435,15 @@ def _load_with_workers(context: str | None) -> list[int]:
 
 @pytest.mark.parametrize("context", [None, "fork", "spawn"])
 def test_dataloader_workers_inside_a_daemonic_worker(client: Client, context: str | None) -> None:
-    assert all(s["daemon"] for s in client.run(_worker_state).values())
+    def daemonic() -> bool:  # the flag is lifted while a spare rank process is forked
+        return all(s["daemon"] for s in client.run(_worker_state).values())
+
+    poll_for(daemonic, timeout=30)
     out = dask_ddp.launch(client, _load_with_workers, args=(context,)).result(timeout=120)
     assert out == [list(range(32))] * 2
     # Daemonic again once the next spare rank process is forked (the flag is lifted for
     # each fork only).
-    poll_for(lambda: all(s["daemon"] for s in client.run(_worker_state).values()), timeout=30)
+    poll_for(daemonic, timeout=30)
 
 
 class _ParentPids(torch.utils.data.Dataset):
