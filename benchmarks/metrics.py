@@ -260,7 +260,7 @@ def measure_payload(
         with dask.config.set({"ddp.max-event-bytes": limit}):
             job = dask_ddp.launch(client, rank_payload, args=(rh, nbytes))
         arrived = None
-        for _, _, data in job._take_results(rh.pub_sub_key):
+        for _, _, data in job.iter_results(rh.pub_sub_key):
             arrived = time.time()
             if len(data) != nbytes:
                 raise RuntimeError(f"payload of {len(data)} bytes, expected {nbytes}")

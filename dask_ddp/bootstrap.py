@@ -624,6 +624,9 @@ def _run_process(
 
     store = _take_store(spec, slot) if spec.placement.rank == 0 else None
     run.store = store
+    # Rank 0's store outlives its task by a moment (its peers may still read the last
+    # rendezvous word): let go with the run's leftovers.
+    run.leftover = store
     peer = _replicas.PeerLink(worker, spec.job_id)
 
     def on_start(process: _rankproc.RankProcess) -> None:
