@@ -266,7 +266,7 @@ def measure_payload(
                 raise RuntimeError(f"payload of {len(data)} bytes, expected {nbytes}")
             del data
         submitted = job.result(timeout=600)[0]
-        job._wait_stopped(timeout=60)  # the scheduler has dropped the job's events by then
+        job.wait_stopped(timeout=60)  # the scheduler has dropped the job's events by then
     if arrived is None:
         raise RuntimeError("the payload never arrived")
     if not through_scheduler and any(client.run(_blobs_held).values()):
