@@ -533,8 +533,8 @@ class RankLink:
 
     Duck-types :class:`~dask_ddp.events.RankChannel` (``put``, ``put_status``), so that
     the rank's code sends as it did in the worker. A record is appended to a buffer (a
-    microsecond); a thread sends what gathered as one message as soon as it can, so that a
-    rank reporting in a tight loop sends batches and an idle one sends each record at once.
+    microsecond); a thread sends what gathered as one message at once after a quiet spell,
+    then at most every 20 ms, so that a rank reporting every step sends batches.
     A stopped rank sends what is buffered before it ends (:meth:`end`); a SIGKILL loses at
     most the batch not yet written.
     """
@@ -591,6 +591,9 @@ class RankLink:
             except (OSError, ValueError) as exc:  # put() raises it in the rank's thread
                 self._failed = exc
                 return
+            # At most one batch per gap: a rank reporting every few ms sends a batch, not a
+            # message a record (a wake-up, a pickle and a write each: 12% of a 4 ms step).
+            time.sleep(_BATCH_GAP)
 
     def put(
         self, kind: str, body: list[Any], caller: str = "report", *, urgent: bool = False
@@ -728,6 +731,8 @@ class WorkerStandIn:
                 )  # fmt: skip
             return self._client
 
+
+_BATCH_GAP = 0.02  # seconds between two batches of a rank's records to its task
 
 _PID = -1  # the rank's process (a DataLoader worker forked from it is another)
 
