@@ -166,7 +166,7 @@ TORCHRUN_OPTIONS = (
     ),
     TorchrunOption(
         ("--shutdown-timeout", "--shutdown_timeout"), "SECONDS", "ignored",
-        "a stopped rank gets ddp.failure-grace, then its worker is restarted",
+        "a stopped rank gets SIGTERM, then SIGKILL after ddp.failure-grace",
     ),
     TorchrunOption(
         ("--virtual-local-rank", "--virtual_local_rank"), None, "ignored",

@@ -49,8 +49,7 @@ class JobState(str, enum.Enum):
     - ``stopping``: the job's end is decided (a rank failed, or it was cancelled) and its
       error known (:meth:`Job.result <dask_ddp.Job.result>` raises it already); its ranks
       still running are being stopped. It ends in the decided state once every worker is
-      free again (a rank that does not stop within ``ddp.failure-grace`` has its worker
-      restarted).
+      free again (a rank's processes get SIGTERM, then SIGKILL after ``ddp.failure-grace``).
     - ``succeeded``, ``failed``, ``cancelled``: final; the job holds no worker.
 
     Examples

@@ -1,16 +1,15 @@
 """What runs on the workers: the probe before launch, and the rank task itself.
 
-The rank task (:func:`run_rank`) sets the torchrun environment, joins the process group,
-calls the user's function and always leaves the worker as it found it: environment,
-thread count, daemon flag, malloc thresholds and the default process group are restored,
-on success, exception or stop, before the task returns (gloo's teardown takes about 20
-ms): a plain task the scheduler sends the worker next finds no process group.
+The rank task (:func:`run_rank`) starts the rank's own process (:mod:`dask_ddp._rankproc`)
+and serves it; in that process (:func:`run_in_process`) the torchrun environment is set,
+the rank joins the process group and calls the user's function. The worker's own process
+is never changed by a rank. (In a process hosting lanes, simulated ranks, the rank runs in
+the task's thread.)
 
-A rank is stopped (:func:`abort_rank`) only at points where stopping is safe: dask-ddp's
-own calls, a collective that fails on its severed connections, a released rendezvous.
-Nothing is ever raised into its thread from outside; the supervisor restarts the worker of
-a rank that reaches no such point within ``ddp.failure-grace``. Its outcome
-(:func:`outcome_of`) is decided here, from the exception object.
+A rank is stopped (:func:`abort_rank`): its process group gets SIGTERM, which its main
+thread turns into :class:`~dask_ddp._slot.StopRequested` wherever it is in Python, and
+SIGKILL after ``ddp.failure-grace``; a rendezvous it waits in is released. Its outcome
+(:func:`outcome_of`) is decided in its process, from the exception object.
 
 Rendezvous: the probe opens the job's ``TCPStore`` on rank 0's worker (port 0, so the OS
 picks a free port; on the worker's own address, not every interface) before any rank task
@@ -227,14 +226,10 @@ def abort_rank(
     """Ask this process's rank of ``job_id`` (an attempt's run id) to stop; return whether
     one runs here.
 
-    Nothing is raised into the rank's thread (that would leave the process half-way
-    through whatever it did, an import or torch's own bookkeeping, and the next rank on
-    this worker would inherit it). The rank stops at its next safe point
-    (:meth:`~dask_ddp._slot.RankRun.check_stop`: ``report()``, ``save_checkpoint()``,
-    between the set-up's stages), or at its next collective, which fails at once on its
-    severed connections; a rank waiting in the rendezvous or at a checkpoint is released.
-    A rank that does none of these within ``ddp.failure-grace`` has its worker restarted
-    by the supervisor.
+    A rank in its own process gets SIGTERM (its process group), then SIGKILL after
+    ``ddp.failure-grace`` (:meth:`dask_ddp._rankproc.RankProcess.stop`); a rank waiting in
+    the rendezvous or at a checkpoint is released. A lane stops at its next safe point
+    (:meth:`~dask_ddp._slot.RankRun.check_stop`).
 
     When no rank of the job runs here, a rank of it that starts later ends at once, and
     the store opened for it (on rank 0's worker) is closed: the worker is clean.

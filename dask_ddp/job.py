@@ -231,8 +231,8 @@ class Job:
     def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop every rank and release their workers; :meth:`result` then raises.
 
-        Returns once the ranks have stopped (their workers are restarted if a rank does not
-        stop within ``ddp.failure-grace``).
+        Returns once the ranks have stopped: each rank's processes get SIGTERM, then SIGKILL
+        after ``ddp.failure-grace``; the workers keep running, with their data.
         """
         _cluster.cancel_job(self.client, self.job_id, reason)
         with self._model.cond:  # the supervisor's last message, on its way here
