@@ -13,7 +13,6 @@ import signal
 import time
 from collections.abc import Iterator
 
-import dask
 import psutil
 import pytest
 import torch
@@ -74,25 +73,24 @@ def _train(
     }
 
 
-@pytest.fixture(scope="module")
+def _cluster() -> LocalCluster:
+    return LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
+
+
+@pytest.fixture
 def killing_cluster() -> Iterator[LocalCluster]:
-    # Its tests kill a worker each, seconds apart: SpecCluster closes a worker's nanny
-    # lost-worker-timeout after a removal if no worker of that name is there just then, which
-    # a worker killed again while it restarts hits (a job then waited for good for 2 workers).
-    with (
-        dask.config.set({"distributed.deploy.lost-worker-timeout": "1 hour"}),
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-    ):
+    # One per test, on the default configuration: a test kills a worker, and SpecCluster
+    # closes a worker's nanny lost-worker-timeout after a removal if the same worker is
+    # killed again while it restarts (Dask's quirk, which the tests' own kills would hit).
+    with _cluster() as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def reference(killing_cluster: LocalCluster, tmp_path_factory) -> dict:
+def reference(tmp_path_factory) -> dict:
     """The parameters of the uninterrupted run."""
     directory = str(tmp_path_factory.mktemp("reference"))
-    with Client(killing_cluster) as client:
+    with _cluster() as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout="60s")
         out = dask_ddp.launch(
             client, _train, args=(directory, None, False, False, False),
