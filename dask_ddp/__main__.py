@@ -690,7 +690,7 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
             dashboard_address=":0",
             scheduler_kwargs={"dashboard": opts.dashboard},
             local_directory=scratch,
-            preload=["dask_ddp._preload"],
+            preload=["dask_ddp._preload", "dask_ddp._rankproc"],
             silence_logs=False if opts.verbose else logging.WARNING,
         )
         if opts.dashboard:

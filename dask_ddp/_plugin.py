@@ -138,6 +138,11 @@ class DaskDDPPlugin(SchedulerPlugin):
             await self.client.register_plugin(
                 NamedWorkerPlugin(Entry.REPLICA_PLUGIN, "dask-ddp-replicas")
             )
+            # Each worker starts the template its ranks' processes fork from as it joins,
+            # not when its first rank is placed (dask_ddp._rankproc).
+            await self.client.register_plugin(
+                NamedWorkerPlugin(Entry.TEMPLATE_PLUGIN, "dask-ddp-rank-template")
+            )
         except Exception:
             logger.exception("dask-ddp: the plugin could not connect to its scheduler")
             raise

@@ -6,8 +6,9 @@ terminal:
 
 - the worker dies with the command (``PR_SET_PDEATHSIG``): a command killed by a signal,
   or one that exits at once after a rank failed, leaves no worker behind;
-- torch is imported in a background thread while the worker registers, so the first rank
-  task does not wait for it (about 2 s of a cold start);
+- (with :mod:`dask_ddp._rankproc`, the second preload) the template its ranks' processes
+  fork from starts in a background thread while the worker registers, so the first rank
+  task does not wait for its imports (about 3 s of a cold start);
 - the worker's "Compute Failed" log block for a rank task is dropped: the command prints
   the failing rank's error once, itself.
 """
@@ -15,12 +16,10 @@ terminal:
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 import re
 import signal
 import sys
-import threading
 from typing import Any
 
 from ._protocol import is_rank_key
@@ -102,21 +101,8 @@ def die_with_parent() -> bool:
         return False
 
 
-# What a rank imports before its first step; DistributedDataParallel's constructor imports
-# torch._dynamo, about 2 s on its own.
-_AHEAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
-
-
-def _import_torch() -> None:
-    try:
-        for name in _AHEAD:
-            importlib.import_module(name)
-    except Exception:  # the rank's own import reports it properly
-        logger.debug("torch did not import ahead of the rank", exc_info=True)
-
-
 def dask_setup(worker: Any) -> None:
     """Dask's preload hook: runs in each worker process before it registers."""
     die_with_parent()
     quiet_rank_failures()
-    threading.Thread(target=_import_torch, name="dask-ddp-import-torch", daemon=True).start()
+

@@ -324,6 +324,7 @@ class Entry:
     TAKE_BLOB = "dask_ddp.events:take_blob"  # a large message, through the scheduler
     BLOB_HANDLER = "dask_ddp.events:BlobHandler"  # a WorkerPlugin class
     REPLICA_PLUGIN = "dask_ddp._replicas:ReplicaPlugin"  # a WorkerPlugin class
+    TEMPLATE_PLUGIN = "dask_ddp.bootstrap:TemplatePlugin"  # a WorkerPlugin class
     INSTALL_PLUGIN = "dask_ddp._plugin:install_for_client"  # async, on the scheduler
 
 

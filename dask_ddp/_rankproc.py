@@ -52,7 +52,15 @@ from ._protocol import RankOutcome, RankSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankLink", "RankProcess", "WorkerStandIn", "run", "warm"]
+__all__ = [
+    "RankLink",
+    "RankProcess",
+    "WorkerStandIn",
+    "get_ready",
+    "run",
+    "start_template",
+    "warm",
+]
 
 #: Modules the template imports once, so that a rank's process starts with them. Measured
 #: in a process forked from a template without them: ``dask_ddp.data._collection_shard``
@@ -92,16 +100,43 @@ def _context() -> Any:
     return ctx
 
 
-def warm() -> None:
-    """Start this worker's template (the forkserver) if it is not running, and fork a spare
-    rank process from it: the next rank then starts without waiting for the template's
-    imports (1-3 s) or for a fork (tens of milliseconds)."""
+def start_template() -> None:
+    """Start this worker's template (the forkserver) if it is not running; its imports go
+    on in its own process (the first fork from it waits for them)."""
     from multiprocessing import forkserver
 
     _context()
     with _template_lock:
         forkserver.ensure_running()
+
+
+def warm() -> None:
+    """Start this worker's template if it is not running, and fork a spare rank process
+    from it: the next rank then starts without waiting for the template's imports (1-3 s)
+    or for a fork (tens of milliseconds)."""
+    start_template()
     _refill()
+
+
+def dask_setup(worker: Any) -> None:
+    """Dask's preload hook (the command line's own LocalCluster preloads this module): the
+    worker gets ready for its ranks (:func:`get_ready`) before it registers."""
+    get_ready()
+
+
+def get_ready() -> None:
+    """In a background thread: start this worker's template and fork the first spare
+    (:func:`warm`). A failure is left to the next probe, which starts them again and says
+    why. (The worker's own torch import stays in the probe: torch imported by two threads
+    at once can abort the process.)"""
+
+    def ready() -> None:
+        try:
+            warm()
+        except Exception:
+            logger.debug("the rank template did not start ahead of the rank", exc_info=True)
+
+    threading.Thread(target=ready, name="dask-ddp-ready", daemon=True).start()
 
 
 # -- the task's side, in the worker ---------------------------------------------------------
@@ -229,7 +264,8 @@ class RankBody(NamedTuple):
     """What runs in a rank's process, given to it with its rank (module-level functions,
     pickled by name: this module never imports the rank's code)."""
 
-    run: Callable[[bytes, RankSpec, Any], Any]  # (payload, spec, link) -> the value
+    # (payload, spec, link, turn) -> the value; turn: what the task's channel handed over
+    run: Callable[[bytes, RankSpec, Any, Any], Any]
     outcome: Callable[..., RankOutcome]  # (value, error) -> how the rank ended
     finish: Callable[[], None]  # after a success, once its end was told (the group's teardown)
 
@@ -281,7 +317,8 @@ def run(
     ended: tuple[Any, BaseException | None, RankOutcome] | None = None
     try:
         on_start(handle)
-        handle.send(("go", payload, spec, WorkerStandIn.of(worker), body))
+        turn = channel.hand_over()  # the rank's process goes on with the channel's stream
+        handle.send(("go", payload, spec, WorkerStandIn.of(worker), body, turn))
         ended = _relay(handle, channel, handlers, pool)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -409,16 +446,12 @@ def _relay(
         except (EOFError, OSError):
             return None
         kind = message[0]
-        if kind == "puts":
-            for record in message[1]:
-                if record[0] == "put":
-                    _, what, body, caller, urgent = record
-                    with contextlib.suppress(Exception):  # the channel says so at its close
-                        channel.put(what, body, caller, urgent=urgent)
-                elif record[0] == "event":  # the rank's get_worker().log_event
-                    handlers["log_event"](record[1], record[2])
-                else:
-                    channel.put_status(record[1], record[2])
+        if kind == "emit":  # an event of the rank's channel
+            channel.relayed(message[1], message[2])
+        elif kind == "blob":  # a large message, kept here for its client
+            handlers["hold_blob"](message[1], message[2])
+        elif kind == "event":  # the rank's get_worker().log_event
+            handlers["log_event"](message[1], message[2])
         elif kind == "call":
             _, call_id, name, args, has_data = message
             if has_data:  # its buffer follows at once
@@ -529,88 +562,51 @@ def _picklable(error: BaseException) -> BaseException:
 
 
 class RankLink:
-    """The rank's process's end of the link: records out, calls answered, stops in.
+    """The rank's process's end of the link: events out, calls answered, stops in.
 
-    Duck-types :class:`~dask_ddp.events.RankChannel` (``put``, ``put_status``), so that
-    the rank's code sends as it did in the worker. A record is appended to a buffer (a
-    microsecond); a thread sends what gathered as one message at once after a quiet spell,
-    then at most every 20 ms, so that a rank reporting every step sends batches.
-    A stopped rank sends what is buffered before it ends (:meth:`end`); a SIGKILL loses at
-    most the batch not yet written.
+    The rank's :class:`~dask_ddp.events.RankChannel` runs in its process, as it ran in its
+    worker's before: it batches and packs the rank's records (``report()``, output, status,
+    checkpoint notes) and hands each event to :meth:`emit`, which its task gives to the
+    worker's ``log_event`` at once. The channel takes over from the task's at the event the
+    task's stopped at (:meth:`~dask_ddp.events.RankChannel.hand_over`), and closes with the
+    rank's end marker before :meth:`end`; a SIGKILL loses at most the records its channel
+    had not yet sent, and the task closes the task's channel then.
     """
 
     def __init__(self, conn: Any, rank: int, job_id: str) -> None:
         self.conn, self.rank, self.job_id = conn, rank, job_id
         self._lock = threading.Lock()  # the pipe's writing end
-        self._buffer_lock = threading.Lock()
-        self._records: list[tuple] = []
-        self._pending = threading.Event()
-        self._failed: BaseException | None = None
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._next_call = 0
         self._closed = False
+        self.channel: Any = None  # the rank's RankChannel, once it opened
         self.stop_told = threading.Event()
         self.stop: tuple[str, int | None] | None = None
         self.on_stop: Callable[[str, int | None], None] | None = None
         self._reader = threading.Thread(target=self._read, name="dask-ddp-link", daemon=True)
         self._reader.start()
-        self._sender = threading.Thread(
-            target=self._send_records, name="dask-ddp-link-out", daemon=True
-        )
-        self._sender.start()
 
-    def _queue(self, record: tuple, caller: str) -> None:
-        from .errors import ChannelError, NotInRankError
+    def _send(self, message: tuple) -> None:
+        from .errors import ChannelError
 
-        if self._failed is not None:
-            why = f"the link to its worker closed ({self._failed})"
-            raise ChannelError(self.rank, self.job_id, why) from self._failed
-        with self._buffer_lock:
-            if self._closed:
-                raise NotInRankError(caller)
-            self._records.append(record)
-            if len(self._records) == 1:
-                self._pending.set()
-
-    def _flush(self) -> None:
-        """Send what is buffered (the caller holds the pipe's lock)."""
-        with self._buffer_lock:
-            records, self._records = self._records, []
-            self._pending.clear()
-        if records:
-            self.conn.send(("puts", records))
-
-    def _send_records(self) -> None:
-        while True:
-            self._pending.wait()
+        with self._lock:
             try:
-                with self._lock:
-                    if self._closed:
-                        return
-                    self._flush()
-            except (OSError, ValueError) as exc:  # put() raises it in the rank's thread
-                self._failed = exc
-                return
-            # At most one batch per gap: a rank reporting every few ms sends a batch, not a
-            # message a record (a wake-up, a pickle and a write each: 12% of a 4 ms step).
-            time.sleep(_BATCH_GAP)
+                self.conn.send(message)
+            except (OSError, ValueError) as exc:
+                why = f"the link to its worker closed ({exc})"
+                raise ChannelError(self.rank, self.job_id, why) from exc
 
-    def put(
-        self, kind: str, body: list[Any], caller: str = "report", *, urgent: bool = False
-    ) -> None:
-        """Queue one record for the rank's task; returns at once."""
-        if os.getpid() != _PID:
-            from .events import _ForkedProcess
+    def emit(self, topic: str, event: dict[str, Any]) -> None:
+        """One event of the rank's channel, for its worker's ``log_event``."""
+        self._send(("emit", topic, event))
 
-            raise _ForkedProcess()
-        self._queue(("put", kind, body, caller, urgent), caller)
+    def hold_blob(self, key: str, msg: list[Any]) -> None:
+        """Keep a large message in the worker, for the client that fetches it."""
+        self._send(("blob", key, msg))
 
-    def put_status(self, phase: str | None, detail: str = "") -> None:
-        """Queue the rank's phase and activity; never raises."""
-        if os.getpid() != _PID:
-            return
-        with contextlib.suppress(Exception):
-            self._queue(("status", phase, detail), "report")
+    def log_event(self, topic: str | list[str], msg: Any) -> None:
+        """The rank's own ``get_worker().log_event``."""
+        self._send(("event", topic, msg))
 
     def call(self, name: str, *args: Any, data: Any = None, timeout: float | None = None) -> Any:
         """Ask the rank's worker to run its handler ``name`` on ``args`` (and ``data``, a
@@ -632,13 +628,10 @@ class RankLink:
         return future.result(timeout)
 
     def end(self, value: bytes | None, error: bytes | None, outcome: RankOutcome) -> None:
-        """The rank's last message, after every record it queued: its value or error, and
+        """The rank's last message, after its channel's last event: its value or error, and
         how it ended."""
         with self._lock:
-            self._flush()
-            with self._buffer_lock:
-                self._closed = True
-            self._pending.set()  # the sender thread ends
+            self._closed = True
             self.conn.send(("end", value, error, outcome.to_wire()))
 
     def _read(self) -> None:
@@ -708,7 +701,7 @@ class WorkerStandIn:
         """``Worker.log_event``, through the rank's worker."""
         if self.link is None:
             raise RuntimeError("log_event is only available in a rank's process")
-        self.link._queue(("event", topic, msg), "log_event")
+        self.link.log_event(topic, msg)
 
     def __reduce__(self) -> tuple:
         return (WorkerStandIn, (self.address, self.name, self.scheduler.address, self.security))
@@ -732,11 +725,6 @@ class WorkerStandIn:
             return self._client
 
 
-_BATCH_GAP = 0.02  # seconds between two batches of a rank's records to its task
-
-_PID = -1  # the rank's process (a DataLoader worker forked from it is another)
-
-
 def _reset_in_forked_child() -> None:
     # A DataLoader worker forked from the rank: the rank's SIGTERM and SIGUSR1 handlers
     # are not its own (SIGTERM ends it, as it would under torchrun).
@@ -748,17 +736,15 @@ def _reset_in_forked_child() -> None:
 def _rank_main(conn: Any, stacks: _Fd) -> None:
     """A rank's process, forked from its worker's template ahead of its rank: it waits for
     ``("go", payload, spec, worker, body)``, then runs the rank and says how it ended."""
-    global _PID
-    _PID = os.getpid()
     os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
     from . import _process
 
     _process.children_allowed_here()  # DataLoader workers, as under torchrun
     faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
     os.register_at_fork(after_in_child=_reset_in_forked_child)
-    conn.send(("hello", os.getpgid(0)))
     try:
-        _, payload, spec, worker, body = conn.recv()
+        conn.send(("hello", os.getpgid(0)))
+        _, payload, spec, worker, body, turn = conn.recv()
     except (EOFError, OSError):  # the worker went, or let this spare go
         return
     from . import _dask_internals
@@ -768,7 +754,7 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     value: Any = None
     error: BaseException | None = None
     try:
-        value = body.run(payload, spec, link)
+        value = body.run(payload, spec, link, turn)
     except BaseException as exc:
         error = exc
     outcome = body.outcome(value, error)
@@ -785,9 +771,13 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
         )
         outcome = body.outcome(None, error)
         sent_value = None
-    sent_error = None if error is None else cloudpickle.dumps(_picklable(error))
     sys.stdout.flush()
     sys.stderr.flush()
+    if link.channel is not None:  # its last records and the final marker, then the end
+        undelivered = link.channel.close(outcome)
+        if undelivered is not None and error is None:
+            error, sent_value = undelivered, None
+    sent_error = None if error is None else cloudpickle.dumps(_picklable(error))
     link.end(sent_value, sent_error, outcome)
     if error is None:
         with contextlib.suppress(Exception):  # its task returned: nobody to tell

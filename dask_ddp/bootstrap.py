@@ -190,11 +190,12 @@ async def probe_worker(
     """
     loop = asyncio.get_running_loop()
     slot = slot_for(dask_worker)
-    gpus = await loop.run_in_executor(None, _gpu_count)
-    if slot is PROCESS:  # the template the rank's process forks from, started beside
+    counted = loop.run_in_executor(None, _gpu_count)
+    if slot is PROCESS:  # the template the rank's process forks from, its imports beside
         from . import _rankproc
 
         await loop.run_in_executor(None, _rankproc.warm)
+    gpus = await counted
     port = None
     if dask_worker.address == store_worker:
         port = await loop.run_in_executor(
@@ -207,6 +208,23 @@ async def probe_worker(
         "busy": active.key if active is not None else None,
         "store_port": port,
     }
+
+
+class TemplatePlugin:
+    """Gets a worker ready for its ranks as it joins (registered by dask-ddp's scheduler
+    plugin through :class:`~dask_ddp._protocol.NamedWorkerPlugin`): a rank placed on a
+    worker that just joined (a restart's replacement, a grown job's new worker, a fresh
+    cluster's first job) waits for what is left of the template's imports, not for all of
+    them. A worker hosting lanes (:mod:`dask_ddp._lanes`) runs its ranks in threads."""
+
+    def setup(self, worker: Any) -> None:
+        from . import _rankproc
+
+        if slot_for(worker) is PROCESS:
+            _rankproc.get_ready()
+
+    def teardown(self, worker: Any) -> None:
+        pass  # the template and the spare end with the worker's process
 
 
 def drop_store(job_id: str, dask_worker: Any = None) -> bool:
@@ -640,6 +658,7 @@ def _run_process(
         "replica_fetch": lambda *args: _rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
         "dataset_load": _load_dataset_window,
         "log_event": worker.log_event,
+        "hold_blob": events.hold_blob,
     }
     body = _rankproc.RankBody(run_in_process, outcome_of, end_process_group)
     return _rankproc.run(
@@ -673,15 +692,29 @@ def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> Any:
     return _rankproc.OutOfBand((data, counts))
 
 
-def run_in_process(payload: bytes, spec: RankSpec, link: Any) -> Any:
+def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
     """The rank, in its own process (:func:`dask_ddp._rankproc._rank_main`): the torchrun
-    environment and thread share set before anything starts, then :func:`_run_in_slot`."""
+    environment and thread share set before anything starts, then :func:`_run_in_slot`.
+    The rank's channel goes on from where its task's stopped (``turn``); its events go
+    through ``link`` to the worker's ``log_event``."""
+    from distributed import get_worker
+
     os.environ.update(_torchrun_env(spec))
+    channel = link.channel = events.RankChannel(
+        get_worker(),  # the worker's stand-in: its address names where large messages wait
+        spec.run_id,
+        spec.placement.rank,
+        interval=spec.events.flush_interval,
+        max_event_bytes=spec.events.max_event_bytes,
+        topic=spec.events.topic,
+        relay=link,
+        turn=turn,
+    )
     run = RankRun(
         spec.run_id,
         spec.key,
         spec.placement.rank,
-        channel=link,
+        channel=channel,
         master=(spec.rendezvous.master_addr, spec.rendezvous.master_port),
     )
     run.relay = link

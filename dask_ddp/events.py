@@ -140,6 +140,13 @@ class RankChannel:
     topic : str, optional
         Where events go: the job's topic (:func:`job_topic` of the job's id, the same for
         all its placements); by default that of ``job_id``.
+    relay : dask_ddp._rankproc.RankLink, optional
+        In a rank's own process: where its events go (``relay.emit``) and where a large
+        message is held (``relay.hold_blob``), both in its worker; ``worker`` then only
+        names the worker (``worker.address``).
+    turn : tuple, optional
+        What :meth:`hand_over` of the rank task's channel returned: this channel goes on
+        from there, in the rank's process.
 
     Examples
     --------
@@ -158,8 +165,12 @@ class RankChannel:
         interval: float,
         max_event_bytes: int,
         topic: str | None = None,
+        relay: Any = None,
+        turn: tuple[int, tuple[str | None, str]] | None = None,
     ) -> None:
         self._worker = worker
+        self._relay = relay
+        self._ended = False  # its rank's process closed it (see relayed)
         self._job = job_id
         self._rank = rank
         self._topic = topic or job_topic(job_id)
@@ -172,12 +183,14 @@ class RankChannel:
         self._full = max(64, self._budget // 32)  # records that fill an event, roughly
         self._closing = threading.Event()
         self._closed = False
-        self._seq = 0  # number of messages sent so far; only the sending thread touches it
+        # Number of messages sent so far; only the sending thread touches it.
+        self._seq = 0 if turn is None else turn[0]
         self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)  # likewise
         self._error: BaseException | None = None
         self._pid = os.getpid()
         self._status: list[Any] | None = None  # the newest status not yet sent
-        self._said: tuple[str | None, str] = (None, "")  # the last status put: phase, detail
+        # The last status put: phase, detail.
+        self._said: tuple[str | None, str] = (None, "") if turn is None else turn[1]
         self._metric: str | None = None  # the curve's metric, as the views pick it
         self._thread = threading.Thread(
             target=self._run, name=f"dask-ddp-events-{job_id}-rank-{rank}", daemon=True
@@ -231,6 +244,39 @@ class RankChannel:
             if not self._buffer:
                 self._wake.set()
 
+    def hand_over(self) -> tuple[int, tuple[str | None, str]]:
+        """Send what is buffered and stop, without the final marker: the rank's own process
+        goes on with a channel of its own (``turn=`` what this returns), whose events come
+        back through :meth:`relayed`. Never raises: an error is :meth:`close`'s to say."""
+        self._stop_sending()
+        return self._seq, self._said
+
+    def relayed(self, topic: str, event: dict[str, Any]) -> None:
+        """An event of the rank's own channel, sent on by the rank's task: counted, so
+        that :meth:`close` ends the stream where it stopped if the rank's process died
+        first, and says nothing if that channel sent the final marker itself."""
+        if "end" in event:
+            self._ended = True
+        elif "packed" in event:
+            self._seq = event["seq"] + event["n"]
+        elif "blob" in event:
+            self._seq = event["seq"] + 1
+        self._worker.log_event(topic, event)
+
+    def _stop_sending(self) -> None:
+        """Stop the sending thread and send what is left from the calling thread."""
+        with self._lock:
+            self._closed = True
+        self._closing.set()
+        self._urgent.set()
+        self._wake.set()
+        self._thread.join()
+        try:
+            if self._error is None:
+                self._flush()
+        except Exception as exc:  # reported to the rank's caller, which raises it
+            self._error = self._error or exc
+
     def close(self, outcome: RankOutcome | None = None) -> ChannelError | None:
         """Send everything still buffered and the final marker; never raises.
 
@@ -245,15 +291,10 @@ class RankChannel:
         ChannelError or None
             Why some messages could not be sent, if they could not.
         """
-        with self._lock:
-            self._closed = True
-        self._closing.set()
-        self._urgent.set()
-        self._wake.set()
-        self._thread.join()
+        self._stop_sending()
+        if self._ended:  # the rank's process sent it, in its own channel
+            return None
         try:
-            if self._error is None:
-                self._flush()
             self._emit({"end": self._seq, "outcome": (outcome or DONE).to_wire()})
         except Exception as exc:  # reported to the rank's caller, which raises it
             self._error = self._error or exc
@@ -318,7 +359,10 @@ class RankChannel:
 
     def _emit(self, fields: dict[str, Any]) -> None:
         event = {"v": VERSION, "run": self._job, "rank": self._rank, "seq": self._seq}
-        self._worker.log_event(self._topic, {**event, **fields})
+        if self._relay is not None:
+            self._relay.emit(self._topic, {**event, **fields})
+        else:
+            self._worker.log_event(self._topic, {**event, **fields})
 
     def _send(self, parts: list[bytes], told: Told) -> None:
         self._emit({"n": len(parts), "packed": b"".join(parts), "told": told.to_wire()})
@@ -326,7 +370,10 @@ class RankChannel:
 
     def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
         key = f"{self._job}/{self._rank}/{self._seq}"
-        hold_blob(key, msg)
+        if self._relay is not None:
+            self._relay.hold_blob(key, msg)
+        else:
+            hold_blob(key, msg)
         ref = {"worker": self._worker.address, "key": key, "nbytes": nbytes}
         try:
             self._emit({"blob": ref})
