@@ -105,4 +105,3 @@ def dask_setup(worker: Any) -> None:
     """Dask's preload hook: runs in each worker process before it registers."""
     die_with_parent()
     quiet_rank_failures()
-

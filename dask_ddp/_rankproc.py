@@ -162,6 +162,9 @@ class RankProcess:
         self.pid: int = process.pid
         self.group: int | None = None  # its process group, once the process leads one
         self.stop_reason: str | None = None
+        # Whether the rank started CUDA (its end message says): the next rank on this
+        # worker waits for its process to be gone, its GPU memory freed.
+        self.used_cuda = True
         self._stacks_fd = stacks_fd
         self._stacks_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -401,11 +404,11 @@ def _refill_quietly() -> None:
 
 def _take() -> _Spare:
     """The spare rank process (forked now if none waits), once the ranks that ended here
-    before it are gone (their GPU memory freed; each within its grace)."""
+    before it and started CUDA are gone (their GPU memory freed; each within its grace)."""
     global _spare
     with _spares_lock:
         spare, _spare = _spare, None
-        exiting = list(_exiting)
+        exiting = [handle for handle in _exiting if handle.used_cuda]
     for handle in exiting:
         handle.process.join(handle.grace)
         handle.ended()
@@ -417,16 +420,16 @@ def _take() -> _Spare:
 def _end_later(handle: RankProcess) -> None:
     """The rank said how it ended: its process tears down (its group destroyed) and exits
     while its task returns; what is left of its group after its grace is killed. The next
-    spare is forked once it is gone, off every rank's way."""
+    spare is forked meanwhile, off every rank's way."""
     with _spares_lock:
         _exiting.add(handle)
 
     def wait() -> None:
+        _refill_quietly()
         handle.process.join(handle.grace)
         handle.ended()
         with _spares_lock:
             _exiting.discard(handle)
-        _refill_quietly()
 
     threading.Thread(target=wait, name="dask-ddp-rank-exit", daemon=True).start()
 
@@ -466,7 +469,7 @@ def _relay(
             if handle.stop_reason is not None:  # stopped before it led its group
                 handle._signal(signal.SIGTERM)
         elif kind == "end":
-            _, value, error, outcome = message
+            _, value, error, outcome, handle.used_cuda = message
             return _loaded(value), _loaded(error), RankOutcome.from_wire(outcome)
 
 
@@ -632,7 +635,7 @@ class RankLink:
         how it ended."""
         with self._lock:
             self._closed = True
-            self.conn.send(("end", value, error, outcome.to_wire()))
+            self.conn.send(("end", value, error, outcome.to_wire(), _cuda_started()))
 
     def _read(self) -> None:
         conn = self.conn
@@ -733,6 +736,33 @@ def _reset_in_forked_child() -> None:
         faulthandler.unregister(signal.SIGUSR1)
 
 
+def _first_group_ahead() -> None:
+    """Make and destroy a one-rank gloo group on loopback: a process's first
+    ``init_process_group`` costs about 10 ms more than any later one (gloo's and torch's
+    one-time set-up), which a spare pays while it waits instead of its rank. Destroying the
+    default group resets torch's group counter: the rank's group gets the name its peers'
+    get. A failure here is the rank's to meet, and report."""
+    import torch.distributed as dist
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.destroy_process_group()
+    except Exception:
+        logger.debug("a one-rank group ahead of the rank failed", exc_info=True)
+    finally:
+        if interface is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _cuda_started() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def _rank_main(conn: Any, stacks: _Fd) -> None:
     """A rank's process, forked from its worker's template ahead of its rank: it waits for
     ``("go", payload, spec, worker, body)``, then runs the rank and says how it ended."""
@@ -744,6 +774,8 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     os.register_at_fork(after_in_child=_reset_in_forked_child)
     try:
         conn.send(("hello", os.getpgid(0)))
+        if not conn.poll(0):  # a spare has time: what a first process group costs, now
+            _first_group_ahead()
         _, payload, spec, worker, body, turn = conn.recv()
     except (EOFError, OSError):  # the worker went, or let this spare go
         return
