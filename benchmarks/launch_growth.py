@@ -13,6 +13,11 @@ It prints the medians and the ratio dask_ddp / plain Dask at each N::
 
     python benchmarks/launch_growth.py --runs 5
 
+Each timed call follows ``--gap`` seconds of quiet (0.5 by default): what a rank leaves
+to do after its task returned (its process's exit, the next spare's fork: about 20 ms of
+CPU per rank) then does not fall into the other side's time. ``--gap 0`` measures launches
+back to back, each paying the last one's.
+
 (16 workers import torch once each: on a 2-core machine the clusters take a minute or two
 to start; the timed runs are on warm workers.)
 """
@@ -53,6 +58,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup-runs", type=int, default=2)
     parser.add_argument("--sizes", default="2,4,8,16", help="worker counts, comma-separated")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=0.5,
+        help="seconds of quiet before each timed call, either side's (0: back to back)",
+    )
     args = parser.parse_args()
 
     from distributed import Client, LocalCluster
@@ -71,7 +82,9 @@ def main() -> None:
             ours: dict[str, list[float]] = {"in": [], "done": []}
             plain: dict[str, list[float]] = {"in": [], "done": []}
             for i in range(args.warmup_runs + args.runs):
+                time.sleep(args.gap)
                 a = run_dask_ddp(client)
+                time.sleep(args.gap)
                 b = run_plain(client, workers)
                 if i < args.warmup_runs:
                     continue
@@ -81,7 +94,10 @@ def main() -> None:
             rows.append((n, ours, plain))
 
     print(f"\n{command_line()}")
-    print(f"{versions('dask', 'distributed', 'dask-ddp')}, {args.runs} runs (medians)")
+    print(
+        f"{versions('dask', 'distributed', 'dask-ddp')}, {args.runs} runs (medians), "
+        f"{args.gap} s quiet before each call"
+    )
     print(
         f"{'N':>3} {'dask_ddp in fn':>15} {'plain in fn':>12} {'ratio':>6}"
         f" {'dask_ddp done':>14} {'plain done':>11} {'ratio':>6}"

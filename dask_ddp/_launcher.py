@@ -178,7 +178,14 @@ class Launcher:
             init_process_group=spec.init_process_group,
         )
         plan_events = EventPlan(
-            job_topic(spec.job_id), flush_interval=flush, max_event_bytes=settings.max_event_bytes
+            job_topic(spec.job_id),
+            flush_interval=flush,
+            # A rank that sends few messages sends each at once, at most every quarter of
+            # the interval, within the job's rate too.
+            idle_interval=flush_interval(
+                len(plan), settings.event_flush_interval / 4, settings.job_event_rate
+            ),
+            max_event_bytes=settings.max_event_bytes,
         )
         specs = [
             RankSpec(

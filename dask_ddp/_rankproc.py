@@ -6,18 +6,23 @@ starts the rank's process (:func:`run`), relays what the process sends and retur
 value. The worker never runs, or even unpickles, the user's function.
 
 - **The template.** Each worker keeps one ``multiprocessing`` forkserver that has imported
-  torch and dask-ddp and runs no threads, and one spare process forked from it ahead of
-  the next rank (a fork of a torch process costs about 30 ms: the probe before a launch
-  forks the first, :func:`warm`, and each rank's end the next). Nothing a job leaves in a
-  process (a half import, torch's group counter, CUDA started under another
-  ``CUDA_VISIBLE_DEVICES``) reaches the next, and the worker never starts CUDA.
-- **The link.** One duplex pipe: the process sends its records (``report()``, output
-  lines, status, checkpoint notes, ``log_event``) in batches, as soon as it can, and what
-  is buffered before it ends; the task puts them on the rank's
-  :class:`~dask_ddp.events.RankChannel`, which batches them to the scheduler as before.
-  What the process needs of its worker (the replica stores of peers, the worker's
-  partitions of a Dask collection, a grow request) it asks over the same pipe
-  (:meth:`RankLink.call`); the task answers from a thread pool.
+  torch and dask-ddp and runs no threads, started as the worker joins (:func:`get_ready`,
+  from the worker plugin :class:`dask_ddp.bootstrap.TemplatePlugin`), and one spare
+  process forked from it ahead of the next rank (a fork of a torch process costs about
+  12 ms, its exit about 10: the next spare is forked as soon as a rank says it ended).
+  A spare that waits makes and destroys a one-rank gloo group, the one-time cost of a
+  process's first ``init_process_group``. Nothing a job leaves in a process (a half
+  import, torch's group counter, CUDA started under another ``CUDA_VISIBLE_DEVICES``)
+  reaches the next, and the worker never starts CUDA.
+- **The link.** One duplex pipe. The rank's :class:`~dask_ddp.events.RankChannel` runs in
+  its process and batches and packs its records (``report()``, output lines, status,
+  checkpoint notes) as it did in the worker; each event it sends crosses the pipe and the
+  task hands it to the worker's ``log_event``, counting it, so that the stream of a rank
+  killed mid-way still ends (the task's channel handed over where it stopped,
+  :meth:`~dask_ddp.events.RankChannel.hand_over`, and closes it then). What the process
+  needs of its worker (the replica stores of peers, the worker's partitions of a Dask
+  collection, a grow request, a large message held for its client) it asks over the same
+  pipe (:meth:`RankLink.call`); the task answers from a thread pool.
 - **The stop.** :meth:`RankProcess.stop` tells the process why, then sends SIGTERM to its
   process group (the rank leads a group of its own: DataLoader workers and ``--no-python``
   programs are in it); the rank's main thread turns it into
@@ -420,16 +425,17 @@ def _take() -> _Spare:
 def _end_later(handle: RankProcess) -> None:
     """The rank said how it ended: its process tears down (its group destroyed) and exits
     while its task returns; what is left of its group after its grace is killed. The next
-    spare is forked meanwhile, off every rank's way."""
+    spare is forked once it is gone: the forks and exits of a job's ranks (about 20 ms of
+    CPU each) come after its results, not among them."""
     with _spares_lock:
         _exiting.add(handle)
 
     def wait() -> None:
-        _refill_quietly()
         handle.process.join(handle.grace)
         handle.ended()
         with _spares_lock:
             _exiting.discard(handle)
+        _refill_quietly()
 
     threading.Thread(target=wait, name="dask-ddp-rank-exit", daemon=True).start()
 
@@ -736,6 +742,11 @@ def _reset_in_forked_child() -> None:
         faulthandler.unregister(signal.SIGUSR1)
 
 
+#: Seconds a new spare waits for its rank before it makes its first process group ahead:
+#: the spares of a job that just ended do not take the CPU its results need.
+_QUIET = 0.1
+
+
 def _first_group_ahead() -> None:
     """Make and destroy a one-rank gloo group on loopback: a process's first
     ``init_process_group`` costs about 10 ms more than any later one (gloo's and torch's
@@ -774,7 +785,7 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     os.register_at_fork(after_in_child=_reset_in_forked_child)
     try:
         conn.send(("hello", os.getpgid(0)))
-        if not conn.poll(0):  # a spare has time: what a first process group costs, now
+        if not conn.poll(_QUIET):  # a spare has time: what a first process group costs, now
             _first_group_ahead()
         _, payload, spec, worker, body, turn = conn.recv()
     except (EOFError, OSError):  # the worker went, or let this spare go
@@ -811,6 +822,8 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
             error, sent_value = undelivered, None
     sent_error = None if error is None else cloudpickle.dumps(_picklable(error))
     link.end(sent_value, sent_error, outcome)
+    with contextlib.suppress(OSError):  # what is left (its teardown, its exit) yields the CPU
+        os.nice(19)
     if error is None:
         with contextlib.suppress(Exception):  # its task returned: nobody to tell
             body.finish()

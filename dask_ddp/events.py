@@ -118,8 +118,9 @@ class RankChannel:
     """A rank's side of the channel: ordered, numbered, buffered, never blocking.
 
     :meth:`put` appends to a buffer; a background thread sends what gathered as events of
-    at most ``max_event_bytes``, at most once per ``interval`` seconds (at once after a
-    quiet spell, or when the buffer fills an event). A single message larger than that
+    at most ``max_event_bytes``: at once while the rank sends few messages (at most once
+    per ``idle_interval``), at most once per ``interval`` seconds under load, and at once
+    when the buffer fills an event. A single message larger than that
     stays in this worker's memory and only a reference travels (see the module docstring).
     :meth:`close` sends what is left and a final marker with the number of messages, from
     the calling thread, so it reaches the scheduler before the rank's task finishes.
@@ -133,8 +134,12 @@ class RankChannel:
     rank : int
         The rank sending.
     interval : float
-        Shortest time between two flushes, in seconds: how long a message may wait in
-        the buffer for others to batch with.
+        Shortest time between two flushes under load, in seconds: how long a message may
+        wait in the buffer for others to batch with while the rank sends more than two
+        messages per ``idle_interval``.
+    idle_interval : float, optional
+        Shortest time between two flushes while the rank sends few messages (by default
+        ``interval``): a message then goes at once, or after at most this long.
     max_event_bytes : int
         Largest event sent through the scheduler.
     topic : str, optional
@@ -167,6 +172,7 @@ class RankChannel:
         topic: str | None = None,
         relay: Any = None,
         turn: tuple[int, tuple[str | None, str]] | None = None,
+        idle_interval: float | None = None,
     ) -> None:
         self._worker = worker
         self._relay = relay
@@ -175,6 +181,7 @@ class RankChannel:
         self._rank = rank
         self._topic = topic or job_topic(job_id)
         self._interval = interval
+        self._idle_interval = min(interval, interval if idle_interval is None else idle_interval)
         self._budget = max(1, max_event_bytes - _EVENT_OVERHEAD)
         self._lock = threading.Lock()
         self._buffer: list[tuple[str, list[Any]]] = []
@@ -305,27 +312,34 @@ class RankChannel:
         return error
 
     def _run(self) -> None:
-        # At most one flush per interval, so a rank reporting every step sends a few
-        # events a second (each costs the worker, the scheduler and the client about a
-        # millisecond of CPU); the first message after a quiet spell goes at once, and a
-        # buffer that fills an event goes at once (bursts are not rate-limited).
+        # Nagle's algorithm in reverse: while the rank sends few messages (no more than two
+        # per idle interval), each goes at once, at most one event per idle interval; under
+        # load (a rank reporting every step) the flushes are an interval apart, so the rank
+        # sends a few events a second (each costs the worker, the scheduler and the client
+        # about a millisecond of CPU). A buffer that fills an event goes at once (bursts
+        # are not rate-limited).
         last = -float("inf")
+        gap = self._idle_interval
         while True:
             self._wake.wait()
-            remaining = last + self._interval - time.monotonic()
+            remaining = last + gap - time.monotonic()
             if remaining > 0:
                 self._urgent.wait(remaining)
             if self._closing.is_set():
                 return  # close() sends the rest from the rank's own thread
             self._urgent.clear()
-            last = time.monotonic()
+            now = time.monotonic()
             try:
-                self._flush()
+                sent = self._flush()
             except Exception as exc:  # put() and close() raise it in the rank's thread
                 self._error = exc
                 return
+            busy = sent * self._idle_interval > 2 * (now - last)
+            gap = self._interval if busy else self._idle_interval
+            last = now
 
-    def _flush(self) -> None:
+    def _flush(self) -> int:
+        """Send what is buffered; how many messages that was."""
         with self._lock:
             items, self._buffer = self._buffer, []
             if self._status is not None:
@@ -356,6 +370,7 @@ class RankChannel:
                 told.add(kind, body, self._metric)
         if parts:
             self._send(parts, told)
+        return len(items)
 
     def _emit(self, fields: dict[str, Any]) -> None:
         event = {"v": VERSION, "run": self._job, "rank": self._rank, "seq": self._seq}

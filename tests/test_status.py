@@ -6,6 +6,7 @@ import io
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -178,3 +179,24 @@ def test_status_is_sent_on_change_and_a_newer_one_replaces_an_unsent_one() -> No
     ]
     assert [kind for kind, _ in sent] == [_protocol.STATUS, _protocol.METRICS, _protocol.STATUS]
     assert sink.logged[-1]["end"] == 3
+
+
+def test_a_rank_reporting_a_few_times_a_second_sends_each_record_at_once() -> None:
+    # Nagle's algorithm in reverse: an idle line sends at once (at most every idle
+    # interval), a busy one batches every interval.
+    sink = _Sink()
+    channel = events.RankChannel(
+        sink, "3f2a", 0, interval=1.0, idle_interval=0.05, max_event_bytes=65536
+    )
+    for step in range(5):  # 5 reports a second: each goes at once, not after the interval
+        channel.put(_protocol.METRICS, [step, time.time(), {"loss": 1.0}])
+        with sink.changed:
+            assert sink.changed.wait_for(lambda n=step: len(sink.logged) > n, timeout=0.5)
+        time.sleep(0.2)
+    before = len(sink.logged)
+    start = time.monotonic()
+    while time.monotonic() - start < 0.5:  # every millisecond: batched, an interval apart
+        channel.put(_protocol.METRICS, [9, time.time(), {"loss": 1.0}])
+        time.sleep(0.001)
+    assert len(sink.logged) - before <= 3
+    assert channel.close() is None
