@@ -354,6 +354,7 @@ class _Spare:
 _spare: _Spare | None = None  # this worker's one spare (a rank process is never reused)
 _exiting: set[RankProcess] = set()  # ended ranks' processes still tearing down
 _spares_lock = threading.Lock()
+_refill_lock = threading.Lock()  # one fork of a spare at a time
 
 
 def _fork() -> _Spare:
@@ -384,19 +385,16 @@ def _fork() -> _Spare:
 
 
 def _refill() -> None:
-    """Fork this worker's spare rank process, unless one waits already."""
+    """Fork this worker's spare rank process, unless one waits already (or is being forked:
+    the worker plugin and a first probe both ask for one on a fresh worker)."""
     global _spare
-    with _spares_lock:
-        if _spare is not None and _spare.process.exitcode is None:
-            return
-    spare: _Spare | None = _fork()
-    with _spares_lock:
-        if _spare is None or _spare.process.exitcode is not None:
-            _spare, spare = spare, None
-    if spare is not None:  # another thread forked one meanwhile: let this one go
-        spare.conn.close()
-        os.close(spare.stacks_fd)
-        spare.process.join()
+    with _refill_lock:
+        with _spares_lock:
+            if _spare is not None and _spare.process.exitcode is None:
+                return
+        spare = _fork()
+        with _spares_lock:
+            _spare = spare
 
 
 def _refill_quietly() -> None:
