@@ -9,7 +9,7 @@ value. The worker never runs, or even unpickles, the user's function.
   torch and dask-ddp and runs no threads, started as the worker joins (:func:`get_ready`,
   from the worker plugin :class:`dask_ddp.bootstrap.TemplatePlugin`), and one spare
   process forked from it ahead of the next rank (a fork of a torch process costs about
-  12 ms, its exit about 10: the next spare is forked as soon as a rank says it ended).
+  12 ms, its exit about 10: the next spare is forked once the last rank's process is gone).
   A spare that waits makes and destroys a one-rank gloo group, the one-time cost of a
   process's first ``init_process_group``. Nothing a job leaves in a process (a half
   import, torch's group counter, CUDA started under another ``CUDA_VISIBLE_DEVICES``)
@@ -582,6 +582,7 @@ class RankLink:
 
     def __init__(self, conn: Any, rank: int, job_id: str) -> None:
         self.conn, self.rank, self.job_id = conn, rank, job_id
+        self._pid = os.getpid()
         self._lock = threading.Lock()  # the pipe's writing end
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._next_call = 0
@@ -593,9 +594,23 @@ class RankLink:
         self._reader = threading.Thread(target=self._read, name="dask-ddp-link", daemon=True)
         self._reader.start()
 
+    def _check_process(self) -> None:
+        """Only the rank's own process writes on the link: a process forked from it (a
+        DataLoader worker) would interleave its writes with the rank's and wait forever for
+        answers the rank's reader thread takes."""
+        if os.getpid() != self._pid:
+            from .errors import ChannelError
+
+            why = (
+                "this process was forked from the rank (a DataLoader worker?): only the "
+                "rank's own process talks to its worker"
+            )
+            raise ChannelError(self.rank, self.job_id, why)
+
     def _send(self, message: tuple) -> None:
         from .errors import ChannelError
 
+        self._check_process()
         with self._lock:
             try:
                 self.conn.send(message)
@@ -620,6 +635,7 @@ class RankLink:
         buffer sent as raw bytes and passed last: a checkpoint's); its answer."""
         from .errors import ChannelError
 
+        self._check_process()
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             call_id, self._next_call = self._next_call, self._next_call + 1

@@ -176,3 +176,27 @@ def test_a_rank_s_process_has_its_worker_and_a_client_as_a_task_does(client: Cli
     from distributed import Variable
 
     assert Variable("dask-ddp-test-seen", client=client).get(timeout=10) in (0, 1)
+
+
+def _talk_from_a_fork() -> tuple[str, int]:
+    from distributed import get_worker
+
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker would be such a child
+        try:
+            get_worker().log_event("dask-ddp-test-fork-events", {"from": "fork"})
+        except dask_ddp.errors.ChannelError as exc:
+            os._exit(3 if "forked from the rank" in str(exc) else 4)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    dask_ddp.report({"after": 1})  # the rank's own link still works
+    return "forked", os.waitstatus_to_exitcode(status)
+
+
+def test_only_the_rank_s_own_process_talks_to_its_worker(client: Client) -> None:
+    # A process forked from the rank shares its pipe: its writes would land among the
+    # rank's, and a call would wait forever for an answer the rank's thread takes.
+    job = dask_ddp.launch(client, _talk_from_a_fork)
+    assert job.result(timeout=60) == [("forked", 3), ("forked", 3)]
+    assert client.get_events("dask-ddp-test-fork-events") == ()
+    assert sorted(r.rank for r in job.metrics) == [0, 1]
