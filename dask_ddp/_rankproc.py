@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import faulthandler
+import itertools
 import logging
 import multiprocessing
 import os
@@ -585,7 +586,7 @@ class RankLink:
         self._pid = os.getpid()
         self._lock = threading.Lock()  # the pipe's writing end
         self._calls: dict[int, concurrent.futures.Future] = {}
-        self._next_call = 0
+        self._call_ids = itertools.count()
         self._closed = False
         self.channel: Any = None  # the rank's RankChannel, once it opened
         self.stop_told = threading.Event()
@@ -607,13 +608,16 @@ class RankLink:
             )
             raise ChannelError(self.rank, self.job_id, why)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, data: Any = None) -> None:
+        """Send ``message`` (and ``data`` after it, as raw bytes, if given), together."""
         from .errors import ChannelError
 
         self._check_process()
         with self._lock:
             try:
                 self.conn.send(message)
+                if data is not None:
+                    self.conn.send_bytes(data)
             except (OSError, ValueError) as exc:
                 why = f"the link to its worker closed ({exc})"
                 raise ChannelError(self.rank, self.job_id, why) from exc
@@ -633,21 +637,14 @@ class RankLink:
     def call(self, name: str, *args: Any, data: Any = None, timeout: float | None = None) -> Any:
         """Ask the rank's worker to run its handler ``name`` on ``args`` (and ``data``, a
         buffer sent as raw bytes and passed last: a checkpoint's); its answer."""
-        from .errors import ChannelError
-
-        self._check_process()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            call_id, self._next_call = self._next_call, self._next_call + 1
-            self._calls[call_id] = future
-            try:
-                self.conn.send(("call", call_id, name, args, data is not None))
-                if data is not None:
-                    self.conn.send_bytes(data)
-            except (OSError, ValueError) as exc:
-                self._calls.pop(call_id, None)
-                why = f"the link to its worker closed ({exc})"
-                raise ChannelError(self.rank, self.job_id, why) from exc
+        call_id = next(self._call_ids)  # atomic under the GIL: no lock needed
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, name, args, data is not None), data)
+        except BaseException:
+            self._calls.pop(call_id, None)
+            raise
         return future.result(timeout)
 
     def end(self, value: bytes | None, error: bytes | None, outcome: RankOutcome) -> None:

@@ -264,10 +264,7 @@ class RankChannel:
         first, and says nothing if that channel sent the final marker itself."""
         if "end" in event:
             self._ended = True
-        elif "packed" in event:
-            self._seq = event["seq"] + event["n"]
-        elif "blob" in event:
-            self._seq = event["seq"] + 1
+        self._seq = _seq_after(event)
         self._worker.log_event(topic, event)
 
     def _stop_sending(self) -> None:
@@ -373,15 +370,15 @@ class RankChannel:
         return len(items)
 
     def _emit(self, fields: dict[str, Any]) -> None:
-        event = {"v": VERSION, "run": self._job, "rank": self._rank, "seq": self._seq}
+        event = {"v": VERSION, "run": self._job, "rank": self._rank, "seq": self._seq, **fields}
         if self._relay is not None:
-            self._relay.emit(self._topic, {**event, **fields})
+            self._relay.emit(self._topic, event)
         else:
-            self._worker.log_event(self._topic, {**event, **fields})
+            self._worker.log_event(self._topic, event)
+        self._seq = _seq_after(event)
 
     def _send(self, parts: list[bytes], told: Told) -> None:
         self._emit({"n": len(parts), "packed": b"".join(parts), "told": told.to_wire()})
-        self._seq += len(parts)
 
     def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
         key = f"{self._job}/{self._rank}/{self._seq}"
@@ -396,7 +393,16 @@ class RankChannel:
             with _blobs_lock:
                 _blobs.pop(key, None)
             raise
-        self._seq += 1
+
+
+def _seq_after(event: dict[str, Any]) -> int:
+    """The number of the message after ``event``'s: a batch counts its messages, a large
+    message held by reference one, the final marker none."""
+    if "packed" in event:
+        return event["seq"] + event["n"]
+    if "blob" in event:
+        return event["seq"] + 1
+    return event["seq"]
 
 
 def hold_blob(key: str, msg: list[Any]) -> None:
