@@ -58,8 +58,12 @@ def _train(
                 step=step,
                 per_rank=per_rank,
             )
-            if settle and ctx.attempt == 0 and pending is not None:
-                pending.wait(60)
+            if settle and ctx.attempt == 0:
+                if pending is not None:
+                    pending.wait(60)
+                # before rank 1 dies: a stop reaches a rank at once, and a rank that stops
+                # gives up the checkpoint it still writes
+                torch.distributed.barrier()
         if kill_self and ctx.attempt == 0 and ctx.rank == 1 and step == 7:
             # The rank's worker (its template's parent) dies, and the rank with it.
             os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)

@@ -66,8 +66,12 @@ def _train(go: str) -> dict[str, Any]:
         if step % 3 == 2:
             state = {"model": model.module.state_dict(), "step": step}
             pending = dask_ddp.save_checkpoint(state, step=step)
-            if ctx.attempt == 0 and pending is not None:
-                pending.wait(60)  # durable and kept in a peer's memory before the failure
+            if ctx.attempt == 0:
+                if pending is not None:
+                    pending.wait(60)  # durable and kept in a peer's memory
+                # before rank 1 fails: a stop reaches a rank at once, and a rank that
+                # stops gives up the checkpoint it still writes
+                torch.distributed.barrier()
         if ctx.attempt == 0 and ctx.rank == 1 and step == FAIL_AT:
             raise dask_ddp.RetryableError("a retryable failure, on purpose")
     print("x" * BIG, flush=True)
