@@ -1,4 +1,4 @@
-"""glibc malloc thresholds while a rank trains inside a Dask worker.
+"""glibc malloc thresholds in a rank's process, forked from a Dask worker's template.
 
 Dask's nanny starts every worker with ``MALLOC_TRIM_THRESHOLD_=65536``
 (``distributed.nanny.pre-spawn-environ``) so that the worker hands freed memory back to the
@@ -9,10 +9,10 @@ becomes its own ``mmap``, page-faulted in and ``munmap``-ed again on free. Measu
 setting against 150-190 without it; DDP ranks inside Dask workers trained at 0.79x
 torchrun's speed because of it.
 
-:func:`tuned` gives the rank glibc's own upper limits (32 MiB mmap threshold, 64 MiB trim
-threshold, what the dynamic thresholds grow to) while it runs and afterwards puts the
-worker's values back and returns free memory to the OS with ``malloc_trim(0)``, as the
-worker intended. The variables are also removed from the rank's environment, so that
+:func:`tune` gives the rank's process glibc's own upper limits (32 MiB mmap threshold,
+64 MiB trim threshold, what the dynamic thresholds grow to); the process inherited the
+worker's environment, and ends with its rank, so the worker's own setting never changes
+and nothing needs putting back. The variables are also removed from the rank's environment, so that
 processes the rank spawns (DataLoader workers with the ``spawn`` start method) get glibc's
 defaults too. Nothing happens where glibc is not the allocator or where the worker runs
 without the variables (glibc is then dynamic already, and stays so).
@@ -20,13 +20,11 @@ without the variables (glibc is then dynamic already, and stays so).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
 import os
-from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -56,29 +54,19 @@ def _int(value: str | None, default: int) -> int:
         return default
 
 
-@contextlib.contextmanager
-def tuned(enabled: bool = True) -> Iterator[None]:
-    """Run the body with glibc's upper malloc thresholds, then restore the worker's.
+def tune(enabled: bool = True) -> None:
+    """Give this process (a rank's own) glibc's upper malloc thresholds for the rest of its
+    life, and take the worker's variables out of its environment. Nothing is put back: the
+    process ends with its rank, and the worker never changed.
 
-    >>> with tuned():
-    ...     pass
+    >>> tune(enabled=False)
     """
     saved = {k: os.environ.get(k) for k in _VARIABLES}
     libc = _glibc() if enabled and any(v is not None for v in saved.values()) else None
     if libc is None:
-        yield
         return
     libc.mallopt(_M_MMAP_THRESHOLD, _RANK_MMAP)
     libc.mallopt(_M_TRIM_THRESHOLD, _RANK_TRIM)
     for k in _VARIABLES:
         os.environ.pop(k, None)
-    logger.debug("malloc thresholds raised for the rank (worker had %s)", saved)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is not None:
-                os.environ[k] = v
-        libc.mallopt(_M_MMAP_THRESHOLD, _int(saved["MALLOC_MMAP_THRESHOLD_"], _GLIBC_DEFAULT))
-        libc.mallopt(_M_TRIM_THRESHOLD, _int(saved["MALLOC_TRIM_THRESHOLD_"], _GLIBC_DEFAULT))
-        libc.malloc_trim(0)
+    logger.debug("malloc thresholds raised for the rank (its worker had %s)", saved)

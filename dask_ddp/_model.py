@@ -174,7 +174,9 @@ class JobModel:
 
     def finish(self) -> None:
         """The outcome is known (a final state): :meth:`Job.result` returns from now on."""
-        self.done.set()
+        with self.cond:
+            self.done.set()
+            self.cond.notify_all()
         self.refresh_views()
 
     def close(self) -> None:

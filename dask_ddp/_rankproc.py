@@ -43,6 +43,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import queue
 import select
 import signal
 import sys
@@ -64,6 +65,7 @@ __all__ = [
     "WorkerStandIn",
     "get_ready",
     "run",
+    "spare_waits",
     "start_template",
     "warm",
 ]
@@ -385,6 +387,13 @@ def _fork() -> _Spare:
     return _Spare(process, task_end, stacks_r)
 
 
+def spare_waits() -> bool:
+    """Whether a spare rank process waits for the next rank (the template, then, runs)."""
+    with _spares_lock:
+        spare = _spare
+    return spare is not None and spare.process.exitcode is None
+
+
 def _refill() -> None:
     """Fork this worker's spare rank process, unless one waits already (or is being forked:
     the worker plugin and a first probe both ask for one on a fresh worker)."""
@@ -425,18 +434,30 @@ def _end_later(handle: RankProcess) -> None:
     """The rank said how it ended: its process tears down (its group destroyed) and exits
     while its task returns; what is left of its group after its grace is killed. The next
     spare is forked once it is gone: the forks and exits of a job's ranks (about 20 ms of
-    CPU each) come after its results, not among them."""
+    CPU each) come after its results, not among them. The worker's one reaper thread
+    waits for it: the task returns without starting a thread."""
+    global _reaper
     with _spares_lock:
         _exiting.add(handle)
+        if _reaper is None:
+            _reaper = queue.SimpleQueue()
+            threading.Thread(
+                target=_reap, args=(_reaper,), name="dask-ddp-rank-exit", daemon=True
+            ).start()
+        _reaper.put(handle)
 
-    def wait() -> None:
+
+_reaper: queue.SimpleQueue[RankProcess] | None = None  # ended ranks' processes, to wait for
+
+
+def _reap(ended: queue.SimpleQueue[RankProcess]) -> None:
+    while True:
+        handle = ended.get()
         handle.process.join(handle.grace)
         handle.ended()
         with _spares_lock:
             _exiting.discard(handle)
         _refill_quietly()
-
-    threading.Thread(target=wait, name="dask-ddp-rank-exit", daemon=True).start()
 
 
 def _relay(
@@ -581,8 +602,12 @@ class RankLink:
     had not yet sent, and the task closes the task's channel then.
     """
 
-    def __init__(self, conn: Any, rank: int, job_id: str) -> None:
-        self.conn, self.rank, self.job_id = conn, rank, job_id
+    def __init__(self, conn: Any, threads: list[_ThreadAhead] | None = None) -> None:
+        self.conn = conn
+        self.rank, self.job_id = -1, ""  # the rank's, from its go (begin)
+        self._ahead = list(threads or [])
+        self._go: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._begun = False
         self._pid = os.getpid()
         self._lock = threading.Lock()  # the pipe's writing end
         self._calls: dict[int, concurrent.futures.Future] = {}
@@ -592,8 +617,32 @@ class RankLink:
         self.stop_told = threading.Event()
         self.stop: tuple[str, int | None] | None = None
         self.on_stop: Callable[[str, int | None], None] | None = None
-        self._reader = threading.Thread(target=self._read, name="dask-ddp-link", daemon=True)
-        self._reader.start()
+        # Started by the spare, reading from then on: the rank's start wakes no thread.
+        threading.Thread(target=self._read, name="dask-ddp-link", daemon=True).start()
+
+    def next_go(self, timeout: float | None = None) -> tuple | None:
+        """The rank's go message, once it came (None: the worker let this spare go).
+
+        Raises
+        ------
+        queue.Empty
+            ``timeout`` passed first.
+        """
+        return self._go.get(timeout=timeout)
+
+    def begin(self, rank: int, job_id: str) -> None:
+        """The spare became rank ``rank`` of ``job_id``: from now on, if its worker goes
+        (the link closes before :meth:`end`), so does the rank's process group."""
+        self.rank, self.job_id, self._begun = rank, job_id, True
+
+    def thread(self, target: Callable[[], None]) -> None:
+        """Run ``target`` in a thread of its own: one the spare started ahead while one
+        is left (a new thread's ``start()`` waits until it runs: milliseconds, on a busy
+        machine, of the rank's start), else a new daemon thread."""
+        if self._ahead:
+            self._ahead.pop().run(target)
+        else:
+            threading.Thread(target=target, name="dask-ddp-rank", daemon=True).start()
 
     def _check_process(self) -> None:
         """Only the rank's own process writes on the link: a process forked from it (a
@@ -662,7 +711,9 @@ class RankLink:
             except (EOFError, OSError):
                 break
             kind = message[0]
-            if kind == "stop":
+            if kind == "go":
+                self._go.put(message)
+            elif kind == "stop":
                 self.stop = (message[1], message[2])
                 if self.on_stop is not None:
                     self.on_stop(message[1], message[2])
@@ -692,9 +743,10 @@ class RankLink:
                 future = self._calls.pop(call_id, None)
                 if future is not None:
                     future.set_result(cloudpickle.loads(head, buffers=buffers))
+        self._go.put(None)  # a spare the worker let go just returns
         # The worker is gone (killed, or its task ended before this process): so is the rank.
         with self._lock:
-            ending = self._closed
+            ending = self._closed or not self._begun
         if not ending:
             with contextlib.suppress(OSError):
                 os.killpg(0, signal.SIGKILL)
@@ -780,6 +832,25 @@ def _first_group_ahead() -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
+class _ThreadAhead:
+    """A thread a spare starts while it waits, which runs the function it is given later
+    (:meth:`run` returns at once)."""
+
+    def __init__(self) -> None:
+        self._target: Callable[[], None] | None = None
+        self._given = threading.Event()
+        threading.Thread(target=self._main, name="dask-ddp-rank", daemon=True).start()
+
+    def _main(self) -> None:
+        self._given.wait()
+        assert self._target is not None
+        self._target()
+
+    def run(self, target: Callable[[], None]) -> None:
+        self._target = target
+        self._given.set()
+
+
 def _cuda_started() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and torch.cuda.is_initialized()
@@ -794,17 +865,24 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     _process.children_allowed_here()  # DataLoader workers, as under torchrun
     faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
     os.register_at_fork(after_in_child=_reset_in_forked_child)
+    link = RankLink(conn, [_ThreadAhead()])  # and a thread for the rank's channel
     try:
         conn.send(("hello", os.getpgid(0)))
-        if not conn.poll(_QUIET):  # a spare has time: what a first process group costs, now
-            _first_group_ahead()
-        _, payload, spec, worker, body, turn = conn.recv()
-    except (EOFError, OSError):  # the worker went, or let this spare go
+    except OSError:  # the worker went, or let this spare go
         return
+    try:
+        go = link.next_go(_QUIET)
+    except queue.Empty:  # a spare has time: what a first process group costs, now
+        _first_group_ahead()
+        go = link.next_go()
+    if go is None:
+        return
+    _, payload, spec, worker, body, turn = go
     from . import _dask_internals
 
     _dask_internals.act_for_worker(worker)
-    link = worker.link = RankLink(conn, spec.placement.rank, spec.run_id)
+    link.begin(spec.placement.rank, spec.run_id)
+    worker.link = link
     value: Any = None
     error: BaseException | None = None
     try:

@@ -130,9 +130,16 @@ def _class_path(error: BaseException) -> str:
 
 
 def _gpu_count() -> int:
+    """The worker's GPUs (it sees them through its own ``CUDA_VISIBLE_DEVICES``, which does
+    not change while it lives): counted once."""
     import torch
 
-    return torch.cuda.device_count()
+    if not _gpus:
+        _gpus.append(torch.cuda.device_count())
+    return _gpus[0]
+
+
+_gpus: list[int] = []  # this worker's GPU count, once counted
 
 
 def _open_store(job_id: str, host: str, timeout: float, slot: ProcessSlot) -> int:
@@ -190,12 +197,15 @@ async def probe_worker(
     """
     loop = asyncio.get_running_loop()
     slot = slot_for(dask_worker)
-    counted = loop.run_in_executor(None, _gpu_count)
+    # A warm worker answers at once: its GPUs counted before, its spare rank process
+    # waiting. A fresh one imports torch (and starts its template) in threads.
+    counted = _gpus[0] if _gpus else loop.run_in_executor(None, _gpu_count)
     if slot is PROCESS:  # the template the rank's process forks from, its imports beside
         from . import _rankproc
 
-        await loop.run_in_executor(None, _rankproc.warm)
-    gpus = await counted
+        if not _rankproc.spare_waits():
+            await loop.run_in_executor(None, _rankproc.warm)
+    gpus = counted if isinstance(counted, int) else await counted
     port = None
     if dask_worker.address == store_worker:
         port = await loop.run_in_executor(
@@ -463,9 +473,12 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
             run, _status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)"
         )
     try:
-        store.wait([ready], timedelta(seconds=spec.rendezvous.rendezvous_timeout))
-    except (RuntimeError, TimeoutError) as exc:
-        reached = store.add(count, 0)
+        # One round trip: a get waits for the key (within the store's timeout, the
+        # rendezvous timeout) and reads the word.
+        word = store.get(ready)
+    except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
+        with contextlib.suppress(RuntimeError, TimeoutError):  # unless rank 0's store is gone
+            reached = store.add(count, 0)
         raise RendezvousTimeoutError(
             spec.placement.rank,
             spec.placement.worker,
@@ -473,13 +486,7 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
             spec.rendezvous.rendezvous_timeout,
             f"only {reached} of {world} ranks {stage}",
         ) from exc
-    try:
-        aborted = store.get(ready) == _ABORTED  # abort_rank released the waiters
-    except (RuntimeError, TimeoutError):  # DistNetworkError subclasses RuntimeError
-        # The key was set (the wait returned), and rank 0 already finished and closed its
-        # store: the job went on without an abort.
-        aborted = False
-    if aborted:
+    if word == _ABORTED:  # abort_rank released the waiters
         run.check_stop()
         raise RankStoppedError(spec.placement.rank, "stopped while ranks gathered", job=spec.run_id)
 
@@ -701,6 +708,7 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
     from distributed import get_worker
 
     os.environ.update(_torchrun_env(spec))
+    _malloc.tune(spec.tune_malloc)
     channel = link.channel = events.RankChannel(
         get_worker(),  # the worker's stand-in: its address names where large messages wait
         spec.run_id,
@@ -711,6 +719,7 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
         topic=spec.events.topic,
         relay=link,
         turn=turn,
+        start=link.thread,
     )
     run = RankRun(
         spec.run_id,
@@ -746,11 +755,7 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
         if spec.pass_local_rank:
             kwargs = {**kwargs, "local_rank": spec.placement.local_rank}
         peer = _RelayedPeer(link)
-        with (
-            _thread_share(spec),
-            _process.platform_start_method(),
-            _malloc.tuned(spec.tune_malloc),
-        ):
+        with _thread_share(spec), _process.platform_start_method():
             value = _run_in_slot(
                 fn, args, kwargs, spec, run, peer, lambda: link.call("memory"), PROCESS,
                 own_store=False,

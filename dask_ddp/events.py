@@ -28,11 +28,13 @@ Why it is built this way (measured on the real stack):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -122,8 +124,9 @@ class RankChannel:
     per ``idle_interval``), at most once per ``interval`` seconds under load, and at once
     when the buffer fills an event. A single message larger than that
     stays in this worker's memory and only a reference travels (see the module docstring).
-    :meth:`close` sends what is left and a final marker with the number of messages, from
-    the calling thread, so it reaches the scheduler before the rank's task finishes.
+    :meth:`close` sends what is left and the final marker (the number of messages, on the
+    last batch), from the calling thread, so it reaches the scheduler before the rank's task
+    finishes.
 
     Parameters
     ----------
@@ -152,6 +155,12 @@ class RankChannel:
     turn : tuple, optional
         What :meth:`hand_over` of the rank task's channel returned: this channel goes on
         from there, in the rank's process.
+    start : callable, optional
+        Runs the sending loop (a callable taking no argument) in a thread of its own; by
+        default a new daemon thread. A rank's process passes a thread started ahead: a
+        new thread's ``start()`` waits until it runs, milliseconds on a busy machine. The
+        loop starts with the first message: a channel that has nothing to say before it
+        closes costs no thread.
 
     Examples
     --------
@@ -171,8 +180,9 @@ class RankChannel:
         max_event_bytes: int,
         topic: str | None = None,
         relay: Any = None,
-        turn: tuple[int, tuple[str | None, str]] | None = None,
+        turn: tuple[int, tuple[str | None, str], list[Any] | None] | None = None,
         idle_interval: float | None = None,
+        start: Callable[[Callable[[], None]], Any] | None = None,
     ) -> None:
         self._worker = worker
         self._relay = relay
@@ -184,25 +194,29 @@ class RankChannel:
         self._idle_interval = min(interval, interval if idle_interval is None else idle_interval)
         self._budget = max(1, max_event_bytes - _EVENT_OVERHEAD)
         self._lock = threading.Lock()
+        # The sending loop waits on it for what put(), put_status() and close() change.
+        self._changed = threading.Condition(self._lock)
         self._buffer: list[tuple[str, list[Any]]] = []
-        self._wake = threading.Event()  # set while the buffer holds something
-        self._urgent = threading.Event()  # set when the buffer fills an event, or on close
+        self._urgent = False  # the buffer fills an event, or holds an urgent message
         self._full = max(64, self._budget // 32)  # records that fill an event, roughly
-        self._closing = threading.Event()
-        self._closed = False
-        # Number of messages sent so far; only the sending thread touches it.
+        self._closed = False  # nothing more is put
+        self._closing = False  # the sending loop stops
+        # Held while a batch is sent: the sending loop's flushes, and close()'s last flush
+        # and final marker, never interleave (close() needs no join of the loop's thread).
+        self._send_lock = threading.Lock()
+        # Number of messages sent so far; only a holder of _send_lock touches it.
         self._seq = 0 if turn is None else turn[0]
         self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)  # likewise
         self._error: BaseException | None = None
         self._pid = os.getpid()
-        self._status: list[Any] | None = None  # the newest status not yet sent
+        # The newest status not yet sent, and since when one waits (monotonic).
+        self._status: list[Any] | None = None if turn is None else turn[2]
+        self._status_since = time.monotonic()
         # The last status put: phase, detail.
         self._said: tuple[str | None, str] = (None, "") if turn is None else turn[1]
         self._metric: str | None = None  # the curve's metric, as the views pick it
-        self._thread = threading.Thread(
-            target=self._run, name=f"dask-ddp-events-{job_id}-rank-{rank}", daemon=True
-        )
-        self._thread.start()
+        self._start = start or self._thread
+        self._looping = False  # the sending loop started
         _channels.add(self)
 
     def put(
@@ -226,17 +240,20 @@ class RankChannel:
                 raise NotInRankError(caller)
             self._buffer.append((kind, body))
             n = len(self._buffer)
-            if n == 1:
-                self._wake.set()
             if n == self._full or urgent:
-                self._urgent.set()
+                self._urgent = True
+            if n == 1 or self._urgent:
+                self._wake_loop()
 
     def put_status(self, phase: str | None, detail: str = "") -> None:
         """Queue the rank's phase (None: unchanged) and activity; never raises or blocks.
 
         Only a change is queued, and it replaces a status not yet sent (keeping that one's
-        phase when this one has none), so status never floods the channel. Ignored once
-        the channel closed, or in a process forked from the rank.
+        phase when this one has none), so status never floods the channel. A status alone
+        waits ``idle_interval`` for company (records, the next status, the final marker):
+        the phases a launch passes through in milliseconds (queued, joining, running) reach
+        the supervisor as one event, or with the rank's end. Ignored once the channel
+        closed, or in a process forked from the rank.
         """
         if self._error is not None or os.getpid() != self._pid:
             return
@@ -247,16 +264,37 @@ class RankChannel:
             self._said = said
             if self._status is not None and phase is None:
                 phase = self._status[0]
+            elif self._status is None:
+                self._status_since = time.monotonic()
+                self._wake_loop()
             self._status = [phase, detail, time.time()]
-            if not self._buffer:
-                self._wake.set()
 
-    def hand_over(self) -> tuple[int, tuple[str | None, str]]:
+    def _wake_loop(self) -> None:
+        """(With the lock held.) The sending loop has something new to send: wake it, or
+        start it the first time (a status handed over by the task's channel waits for the
+        next message: waking a thread costs the caller the GIL for milliseconds on a busy
+        machine)."""
+        if self._looping:
+            self._changed.notify()
+        else:
+            self._looping = True
+            self._start(self._run)
+
+    def _thread(self, target: Callable[[], None]) -> None:
+        name = f"dask-ddp-events-{self._job}-rank-{self._rank}"
+        threading.Thread(target=target, name=name, daemon=True).start()
+
+    def hand_over(self) -> tuple[int, tuple[str | None, str], list[Any] | None]:
         """Send what is buffered and stop, without the final marker: the rank's own process
-        goes on with a channel of its own (``turn=`` what this returns), whose events come
-        back through :meth:`relayed`. Never raises: an error is :meth:`close`'s to say."""
+        goes on with a channel of its own (``turn=`` what this returns: the sequence
+        number, the last status put, and a status not sent yet, which that channel sends),
+        whose events come back through :meth:`relayed`. Never raises: an error is
+        :meth:`close`'s to say."""
+        with self._lock:
+            status, self._status = self._status, None
         self._stop_sending()
-        return self._seq, self._said
+        with self._send_lock:
+            return self._seq, self._said, status
 
     def relayed(self, topic: str, event: dict[str, Any]) -> None:
         """An event of the rank's own channel, sent on by the rank's task: counted, so
@@ -264,22 +302,19 @@ class RankChannel:
         first, and says nothing if that channel sent the final marker itself."""
         if "end" in event:
             self._ended = True
-        self._seq = _seq_after(event)
+        with self._send_lock:
+            self._seq = _seq_after(event)
         self._worker.log_event(topic, event)
 
-    def _stop_sending(self) -> None:
-        """Stop the sending thread and send what is left from the calling thread."""
+    def _stop_sending(self, end: RankOutcome | None = None) -> None:
+        """Stop the sending loop and send what is left from the calling thread, after a
+        batch the loop may be sending (the loop then finds nothing more to send); with
+        ``end``, the final marker too, on the last batch."""
         with self._lock:
-            self._closed = True
-        self._closing.set()
-        self._urgent.set()
-        self._wake.set()
-        self._thread.join()
-        try:
-            if self._error is None:
-                self._flush()
-        except Exception as exc:  # reported to the rank's caller, which raises it
-            self._error = self._error or exc
+            self._closed = self._closing = True
+            self._changed.notify()
+        with contextlib.suppress(Exception):  # kept: reported to the rank's caller
+            self._flush(end)
 
     def close(self, outcome: RankOutcome | None = None) -> ChannelError | None:
         """Send everything still buffered and the final marker; never raises.
@@ -295,13 +330,8 @@ class RankChannel:
         ChannelError or None
             Why some messages could not be sent, if they could not.
         """
-        self._stop_sending()
-        if self._ended:  # the rank's process sent it, in its own channel
-            return None
-        try:
-            self._emit({"end": self._seq, "outcome": (outcome or DONE).to_wire()})
-        except Exception as exc:  # reported to the rank's caller, which raises it
-            self._error = self._error or exc
+        # Unless the rank's process sent the final marker, in its own channel.
+        self._stop_sending(None if self._ended else outcome or DONE)
         if self._error is None:
             return None
         error = ChannelError(self._rank, self._job, f"{type(self._error).__name__}: {self._error}")
@@ -318,31 +348,56 @@ class RankChannel:
         last = -float("inf")
         gap = self._idle_interval
         while True:
-            self._wake.wait()
-            remaining = last + gap - time.monotonic()
-            if remaining > 0:
-                self._urgent.wait(remaining)
-            if self._closing.is_set():
-                return  # close() sends the rest from the rank's own thread
-            self._urgent.clear()
-            now = time.monotonic()
+            with self._lock:
+                while True:
+                    if self._closing:
+                        return  # close() sends the rest from the rank's own thread
+                    due, now = self._due(last + gap), time.monotonic()
+                    if due is not None and due <= now:
+                        break
+                    self._changed.wait(None if due is None else due - now)
             try:
                 sent = self._flush()
-            except Exception as exc:  # put() and close() raise it in the rank's thread
-                self._error = exc
+            except Exception:  # kept: put() and close() raise it in the rank's thread
                 return
             busy = sent * self._idle_interval > 2 * (now - last)
             gap = self._interval if busy else self._idle_interval
             last = now
 
-    def _flush(self) -> int:
-        """Send what is buffered; how many messages that was."""
+    def _due(self, next_flush: float) -> float | None:
+        """When the loop sends next (None: nothing to send): at once when urgent; records
+        at the next flush; a status alone once it waited ``idle_interval`` too."""
+        if self._urgent:
+            return -float("inf")
+        if self._buffer:
+            return next_flush
+        if self._status is not None:
+            return max(next_flush, self._status_since + self._idle_interval)
+        return None
+
+    def _flush(self, end: RankOutcome | None = None) -> int:
+        """Send what is buffered (and, with ``end``, the final marker: on the last batch,
+        else alone); how many messages that was. A failure is kept (the rank's next put()
+        and close() say it) and ends the sending."""
+        with self._send_lock:
+            if self._error is not None and end is None:
+                return 0
+            try:
+                if self._error is not None:  # the batches are lost: the marker says so
+                    self._emit({"end": self._seq, "outcome": end.to_wire()})
+                    return 0
+                return self._flush_held(end)
+            except Exception as exc:
+                self._error = self._error or exc
+                raise
+
+    def _flush_held(self, end: RankOutcome | None) -> int:
         with self._lock:
             items, self._buffer = self._buffer, []
             if self._status is not None:
                 items.append((STATUS, self._status))
                 self._status = None
-            self._wake.clear()
+            self._urgent = False
         pack = self._packer.pack
         parts: list[bytes] = []
         told = Told()
@@ -365,8 +420,13 @@ class RankChannel:
                 if kind == METRICS and self._metric is None and body[2]:
                     self._metric = pick_curve_metric(body[2])
                 told.add(kind, body, self._metric)
+        final = {} if end is None else {"outcome": end.to_wire()}
         if parts:
-            self._send(parts, told)
+            if final:  # the marker counts this batch's messages too
+                final["end"] = self._seq + len(parts)
+            self._send(parts, told, final)
+        elif final:
+            self._emit({"end": self._seq, **final})
         return len(items)
 
     def _emit(self, fields: dict[str, Any]) -> None:
@@ -377,8 +437,9 @@ class RankChannel:
             self._worker.log_event(self._topic, event)
         self._seq = _seq_after(event)
 
-    def _send(self, parts: list[bytes], told: Told) -> None:
-        self._emit({"n": len(parts), "packed": b"".join(parts), "told": told.to_wire()})
+    def _send(self, parts: list[bytes], told: Told, final: dict[str, Any] | None = None) -> None:
+        packed = b"".join(parts)
+        self._emit({"n": len(parts), "packed": packed, "told": told.to_wire(), **(final or {})})
 
     def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
         key = f"{self._job}/{self._rank}/{self._seq}"

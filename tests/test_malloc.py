@@ -47,7 +47,7 @@ def mmapped_by_a_1mib_allocation() -> dict:
     return {"mmapped": mmapped, "env": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
 
 
-def test_rank_lifts_the_workers_trim_threshold_and_restores_it(client: Client) -> None:
+def test_rank_lifts_the_workers_trim_threshold_in_its_own_process_only(client: Client) -> None:
     on_worker = client.run(mmapped_by_a_1mib_allocation)
     assert all(r == {"mmapped": True, "env": "65536"} for r in on_worker.values()), on_worker
 

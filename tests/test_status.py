@@ -159,13 +159,19 @@ class _Sink:
             self.changed.notify_all()
 
 
-def test_status_is_sent_on_change_and_a_newer_one_replaces_an_unsent_one() -> None:
+def test_a_status_alone_waits_for_company_and_a_newer_one_replaces_an_unsent_one() -> None:
+    # A launch passes its phases (queued, joining, running) milliseconds apart: they reach
+    # the supervisor as one event, and a short job's with its final marker.
     sink = _Sink()
-    channel = events.RankChannel(sink, "3f2a", 0, interval=60, max_event_bytes=65536)
-    channel.put_status(_status.QUEUED, "waiting for job 1a2b")  # after a quiet spell: at once
+    channel = events.RankChannel(
+        sink, "3f2a", 0, interval=60, idle_interval=0.5, max_event_bytes=65536
+    )
+    channel.put_status(_status.QUEUED, "waiting for job 1a2b")
+    channel.put_status(_status.JOINING, "1 of 2 joined")  # replaces it, unsent
     with sink.changed:
-        assert sink.changed.wait_for(lambda: sink.logged, timeout=30)
-    channel.put_status(_status.JOINING, "1 of 2 joined")  # waits for the interval ...
+        assert not sink.changed.wait_for(lambda: sink.logged, timeout=0.25)  # it waits ...
+        assert sink.changed.wait_for(lambda: sink.logged, timeout=30)  # ... then goes alone
+    channel.put_status(_status.RUNNING, "step 0")  # waits for the interval ...
     channel.put_status(None, "listing s3://bucket/train")  # ... and is replaced, phase kept
     channel.put_status(None, "listing s3://bucket/train")  # unchanged: not queued
     channel.put(_protocol.METRICS, [0, 0.0, {"loss": 1.0}])
@@ -174,10 +180,12 @@ def test_status_is_sent_on_change_and_a_newer_one_replaces_an_unsent_one() -> No
     sent = [msg for event in sink.logged if "packed" in event for msg in _protocol.decode(event)]
     statuses = [body[:2] for kind, body in sent if kind == _protocol.STATUS]
     assert statuses == [
-        [_status.QUEUED, "waiting for job 1a2b"],
-        [_status.JOINING, "listing s3://bucket/train"],
+        [_status.JOINING, "1 of 2 joined"],
+        [_status.RUNNING, "listing s3://bucket/train"],
     ]
     assert [kind for kind, _ in sent] == [_protocol.STATUS, _protocol.METRICS, _protocol.STATUS]
+    # The final marker rides on the last batch: two events in all.
+    assert len(sink.logged) == 2 and "packed" in sink.logged[-1]
     assert sink.logged[-1]["end"] == 3
 
 
