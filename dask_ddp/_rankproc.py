@@ -891,8 +891,12 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
         error = exc
     outcome = body.outcome(value, error)
     # Ending: a stop changes nothing now, and no handler (ours, or a DataLoader's SIGCHLD
-    # one) may run in the middle of the last message.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD, signal.SIGINT})
+    # one) may run in the middle of the last message. Blocking the signals in this thread
+    # would not do: the kernel hands them to another one (the link's reader), and Python
+    # runs the handler in this one all the same.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         sent_value = None if error is not None else cloudpickle.dumps(value)
     except Exception as exc:

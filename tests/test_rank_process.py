@@ -200,3 +200,30 @@ def test_only_the_rank_s_own_process_talks_to_its_worker(client: Client) -> None
     assert job.result(timeout=60) == [("forked", 3), ("forked", 3)]
     assert client.get_events("dask-ddp-test-fork-events") == ()
     assert sorted(r.rank for r in job.metrics) == [0, 1]
+
+
+class _StoppedWhilePickled:
+    """A return value whose pickling (the rank's end path, after its function returned)
+    gets the rank's process a SIGTERM: a cancel racing the rank's last message."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)  # the kernel may hand it to any thread
+        time.sleep(0.2)  # a handler, if one is set, runs by now
+        return (bytes, (self.data,))
+
+
+def _returns_a_value_stopped_while_pickled() -> _StoppedWhilePickled:
+    return _StoppedWhilePickled(b"done")
+
+
+def test_a_stop_during_the_rank_s_last_message_changes_nothing(client: Client) -> None:
+    # Once the function returned, the rank says how it ended: a SIGTERM then must not
+    # interrupt that message (it did, through the rank's other threads, with the signal
+    # only blocked in its main thread).
+    job = dask_ddp.launch(client, _returns_a_value_stopped_while_pickled)
+    assert job.result(timeout=120) == [b"done", b"done"]
