@@ -915,6 +915,11 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
             error, sent_value = undelivered, None
     sent_error = None if error is None else cloudpickle.dumps(_picklable(error))
     link.end(sent_value, sent_error, outcome)
+    # Its word is out: a stop now just ends the process, and one that came while signals
+    # were ignored skips the teardown (a group's destroy may wait for a stopped peer).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if link.stop_told.is_set():
+        os._exit(0)
     with contextlib.suppress(OSError):  # what is left (its teardown, its exit) yields the CPU
         os.nice(19)
     if error is None:
