@@ -11,10 +11,10 @@ torchrun's speed because of it.
 
 :func:`tune` gives the rank's process glibc's own upper limits (32 MiB mmap threshold,
 64 MiB trim threshold, what the dynamic thresholds grow to); the process inherited the
-worker's environment, and ends with its rank, so the worker's own setting never changes
-and nothing needs putting back. The variables are also removed from the rank's environment, so that
-processes the rank spawns (DataLoader workers with the ``spawn`` start method) get glibc's
-defaults too. Nothing happens where glibc is not the allocator or where the worker runs
+worker's environment and ends with its rank, so the worker's own setting never changes and
+nothing needs putting back. The variables are also removed from the rank's environment, so
+that processes the rank spawns (DataLoader workers with the ``spawn`` start method) get
+glibc's defaults too. Nothing happens where glibc is not the allocator or where the worker runs
 without the variables (glibc is then dynamic already, and stays so).
 """
 

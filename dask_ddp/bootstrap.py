@@ -499,7 +499,7 @@ def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
     """Wake every rank of a job that waits in :func:`_rendezvous` or for rank 0's word at a
     checkpoint (:func:`dask_ddp._resize.at_checkpoint`), marked as aborted.
 
-    A thread inside the C++ ``store.wait`` sees no stop until the wait returns; without
+    A thread inside a C++ store wait (``get``) sees no stop until it returns; without
     this a stopped job's ranks would wait out the rendezvous timeout and cost their
     workers a restart.
     """
