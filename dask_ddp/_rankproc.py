@@ -10,10 +10,10 @@ value. The worker never runs, or even unpickles, the user's function.
   from the worker plugin :class:`dask_ddp.bootstrap.TemplatePlugin`), and one spare
   process forked from it ahead of the next rank (a fork of a torch process costs about
   12 ms, its exit about 10: the next spare is forked once the last rank's process is gone).
-  A spare that waits makes and destroys a one-rank gloo group, the one-time cost of a
-  process's first ``init_process_group``. Nothing a job leaves in a process (a half
-  import, torch's group counter, CUDA started under another ``CUDA_VISIBLE_DEVICES``)
-  reaches the next, and the worker never starts CUDA.
+  A spare that waits rehearses a rank's start (a store connection, a one-rank gloo
+  group), the one-time costs of a process's first ``init_process_group``. Nothing a job
+  leaves in a process (a half import, torch's group counter, CUDA started under another
+  ``CUDA_VISIBLE_DEVICES``) reaches the next, and the worker never starts CUDA.
 - **The link.** One duplex pipe. The rank's :class:`~dask_ddp.events.RankChannel` runs in
   its process and batches and packs its records (``report()``, output lines, status,
   checkpoint notes) as it did in the worker; each event it sends crosses the pipe and the
@@ -92,10 +92,12 @@ _template_lock = threading.Lock()
 
 def _inherited() -> None:
     """What the template works out once, so that each rank's process inherits it: the C
-    library's handle (``find_library`` runs ``ldconfig`` in a child process)."""
-    from . import _malloc
+    library's handle (``find_library`` runs ``ldconfig`` in a child process), the machine's
+    network addresses (gloo's interface is chosen from them)."""
+    from . import _malloc, bootstrap
 
     _malloc._glibc()
+    bootstrap._interfaces()
 
 
 _inherited()
@@ -602,11 +604,11 @@ class RankLink:
     had not yet sent, and the task closes the task's channel then.
     """
 
-    def __init__(self, conn: Any, threads: list[_ThreadAhead] | None = None) -> None:
+    def __init__(self, conn: Any, reader: _ThreadAhead, threads: list[_ThreadAhead]) -> None:
         self.conn = conn
         self.rank, self.job_id = -1, ""  # the rank's, from its go (begin)
-        self._ahead = list(threads or [])
-        self._go: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._reader = reader  # reads from the go on (next_go)
+        self._ahead = list(threads)
         self._begun = False
         self._pid = os.getpid()
         self._lock = threading.Lock()  # the pipe's writing end
@@ -617,18 +619,28 @@ class RankLink:
         self.stop_told = threading.Event()
         self.stop: tuple[str, int | None] | None = None
         self.on_stop: Callable[[str, int | None], None] | None = None
-        # Started by the spare, reading from then on: the rank's start wakes no thread.
-        threading.Thread(target=self._read, name="dask-ddp-link", daemon=True).start()
 
     def next_go(self, timeout: float | None = None) -> tuple | None:
-        """The rank's go message, once it came (None: the worker let this spare go).
+        """The rank's go message, once it came (None: the worker let this spare go, or
+        stopped it first). The spare's own thread reads it: the rank's start waits for no
+        other thread's wake-up. The link's reader takes over from there.
 
         Raises
         ------
         queue.Empty
             ``timeout`` passed first.
         """
-        return self._go.get(timeout=timeout)
+        conn = self.conn
+        try:
+            if not conn.poll(timeout):
+                raise queue.Empty
+            message = conn.recv()
+        except (EOFError, OSError):
+            return None
+        if message[0] != "go":  # a stop (the only message a spare gets before its go)
+            return None
+        self._reader.run(self._read)
+        return message
 
     def begin(self, rank: int, job_id: str) -> None:
         """The spare became rank ``rank`` of ``job_id``: from now on, if its worker goes
@@ -711,9 +723,7 @@ class RankLink:
             except (EOFError, OSError):
                 break
             kind = message[0]
-            if kind == "go":
-                self._go.put(message)
-            elif kind == "stop":
+            if kind == "stop":
                 self.stop = (message[1], message[2])
                 if self.on_stop is not None:
                     self.on_stop(message[1], message[2])
@@ -743,7 +753,6 @@ class RankLink:
                 future = self._calls.pop(call_id, None)
                 if future is not None:
                     future.set_result(cloudpickle.loads(head, buffers=buffers))
-        self._go.put(None)  # a spare the worker let go just returns
         # The worker is gone (killed, or its task ended before this process): so is the rank.
         with self._lock:
             ending = self._closed or not self._begun
@@ -810,19 +819,31 @@ def _reset_in_forked_child() -> None:
 _QUIET = 0.1
 
 
-def _first_group_ahead() -> None:
-    """Make and destroy a one-rank gloo group on loopback: a process's first
-    ``init_process_group`` costs about 10 ms more than any later one (gloo's and torch's
-    one-time set-up), which a spare pays while it waits instead of its rank. Destroying the
-    default group resets torch's group counter: the rank's group gets the name its peers'
-    get. A failure here is the rank's to meet, and report."""
+def _rehearse_start() -> None:
+    """Rehearse a rank's start on loopback: connect to a store of its own and make and
+    destroy a one-rank gloo group through it. A process's first ``init_process_group``
+    costs about 10 ms more than any later one (gloo's and torch's one-time set-up), its
+    first store connection 0.5 ms more (and 60 of the pages it shares with its template
+    copied), which a spare pays while it waits instead of its rank. Destroying the default
+    group resets torch's group counter: the rank's group gets the name its peers' get. A
+    failure here is the rank's to meet, and report."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        timeout = timedelta(seconds=5)
+        own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", own.port, is_master=False, timeout=timeout)
+        store.set_timeout(timeout)  # then what a rendezvous asks (bootstrap._rendezvous)
+        store.add("joined", 1)
+        store.compare_set("ready", "", "1")
+        store.get("ready")
+        dist.init_process_group("gloo", store=dist.PrefixStore("0", store), rank=0, world_size=1)
         dist.destroy_process_group()
+        del store, own
     except Exception:
         logger.debug("a one-rank group ahead of the rank failed", exc_info=True)
     finally:
@@ -865,7 +886,7 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     _process.children_allowed_here()  # DataLoader workers, as under torchrun
     faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
     os.register_at_fork(after_in_child=_reset_in_forked_child)
-    link = RankLink(conn, [_ThreadAhead()])  # and a thread for the rank's channel
+    link = RankLink(conn, _ThreadAhead(), [_ThreadAhead()])  # and the rank's channel's
     try:
         conn.send(("hello", os.getpgid(0)))
     except OSError:  # the worker went, or let this spare go
@@ -873,7 +894,7 @@ def _rank_main(conn: Any, stacks: _Fd) -> None:
     try:
         go = link.next_go(_QUIET)
     except queue.Empty:  # a spare has time: what a first process group costs, now
-        _first_group_ahead()
+        _rehearse_start()
         go = link.next_go()
     if go is None:
         return

@@ -227,3 +227,57 @@ def test_a_stop_during_the_rank_s_last_message_changes_nothing(client: Client) -
     # only blocked in its main thread).
     job = dask_ddp.launch(client, _returns_a_value_stopped_while_pickled)
     assert job.result(timeout=120) == [b"done", b"done"]
+
+
+def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
+    # The spare's own thread waits for the go (a go read by another thread would cost the
+    # rank's start that thread's wake-up); from the go on, the link's reader reads.
+    import multiprocessing
+    import queue
+
+    from dask_ddp import _rankproc
+
+    task_end, rank_end = multiprocessing.Pipe(duplex=True)
+    link = _rankproc.RankLink(rank_end, _rankproc._ThreadAhead(), [])
+    with pytest.raises(queue.Empty):
+        link.next_go(0.05)
+    task_end.send(("go", b"payload"))
+    assert link.next_go(5) == ("go", b"payload")
+    task_end.send(("stop", "stopped by the test", 1))
+    assert link.stop_told.wait(5)  # the reader took it
+    assert link.stop == ("stopped by the test", 1)
+    task_end.close()
+
+
+@pytest.mark.parametrize("first", ["stop", "closed"])
+def test_a_spare_stopped_or_let_go_before_its_go_just_returns(first: str) -> None:
+    import multiprocessing
+
+    from dask_ddp import _rankproc
+
+    task_end, rank_end = multiprocessing.Pipe(duplex=True)
+    link = _rankproc.RankLink(rank_end, _rankproc._ThreadAhead(), [])
+    if first == "stop":
+        task_end.send(("stop", "cancelled while it started", None))
+    else:
+        task_end.close()
+    assert link.next_go(5) is None
+
+
+def test_the_interface_of_an_address_is_read_again_when_it_is_new(monkeypatch) -> None:
+    # The machine's addresses are read once per process (the template's: each rank's
+    # process inherits them), and again for an address not among them.
+    import collections
+
+    import psutil
+
+    from dask_ddp import bootstrap
+
+    bootstrap._interfaces.cache_clear()
+    assert bootstrap._interface_of("127.0.0.1") == "lo"
+    assert bootstrap._interface_of("192.0.2.77") is None
+    Address = collections.namedtuple("Address", "address")
+    added = {**psutil.net_if_addrs(), "test0": [Address("192.0.2.77")]}
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: added)
+    assert bootstrap._interface_of("192.0.2.77") == "test0"
+    bootstrap._interfaces.cache_clear()
