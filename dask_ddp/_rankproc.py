@@ -844,6 +844,7 @@ def _rehearse_start() -> None:
         dist.init_process_group("gloo", store=dist.PrefixStore("0", store), rank=0, world_size=1)
         dist.destroy_process_group()
         del store, own
+        _rehearse_channel()
     except Exception:
         logger.debug("a one-rank group ahead of the rank failed", exc_info=True)
     finally:
@@ -851,6 +852,28 @@ def _rehearse_start() -> None:
             del os.environ["GLOO_SOCKET_IFNAME"]
         else:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+class _Unsent:
+    """A rehearsal channel's link: what it sends goes nowhere."""
+
+    def emit(self, topic: str, event: dict[str, Any]) -> None:
+        cloudpickle.dumps(("emit", topic, event))
+
+    def hold_blob(self, key: str, msg: list[Any]) -> None:
+        pass
+
+
+def _rehearse_channel() -> None:
+    """Open a channel, put a status and close it, as a rank does, sent nowhere."""
+    from . import events
+
+    channel = events.RankChannel(
+        None, "rehearsal", 0, interval=1.0, max_event_bytes=64_000, relay=_Unsent(),
+        start=lambda loop: None,
+    )  # fmt: skip
+    channel.put_status("running", "rehearsal")
+    channel.close(events.DONE)
 
 
 class _ThreadAhead:

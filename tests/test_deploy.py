@@ -145,6 +145,36 @@ def test_the_job_s_store_listens_on_the_worker_s_own_address(client: Client) -> 
     assert listens[0] == [get_address_host(job.workers[0])], listens
 
 
+def _store_ahead(dask_worker: Any = None) -> int | None:
+    """The port of the store this worker opened ahead of its next job, if one waits."""
+    from dask_ddp import bootstrap
+
+    ahead = bootstrap._STORE_AHEAD._ahead
+    return None if ahead is None else ahead[1].port
+
+
+def _master_port() -> int:
+    return int(os.environ["MASTER_PORT"])
+
+
+def test_a_warm_worker_hands_the_next_job_the_store_it_opened_ahead(client: Client) -> None:
+    """Once a rank 0 ended, its worker opens the next job's store (on its own address): the
+    next launch's probe hands it over at once (no thread hop, no open while ranks start)."""
+    first = dask_ddp.launch(client, _master_port)
+    used = first.result(timeout=120)[0]
+    rank0 = first.workers[0]
+
+    def ahead() -> int | None:
+        return client.run(_store_ahead, workers=[rank0])[rank0]
+
+    poll_for(lambda: ahead() is not None, timeout=30)
+    port = ahead()
+    assert port != used
+    job = dask_ddp.launch(client, _master_port)
+    assert job.workers[0] == rank0
+    assert job.result(timeout=120) == [port, port]
+
+
 # -- a TLS LocalCluster --------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_tls_local_cluster(tmp_path: Path) -> None:
