@@ -4,6 +4,7 @@
 - :func:`platform_start_method`: a rank starts DataLoader workers the way they start under
   torchrun (fork on Linux before Python 3.14), not with the spawn a Dask worker inherits.
 - :func:`is_peer_loss`: recognise a collective that failed because a peer went away.
+- :func:`interface_of`: the network interface that carries an address (gloo's).
 
 (A rank used to run inside its worker's process, which needed more: its gloo sockets
 severed by fd on a stop, torch's group counter reset, forked children's inherited objects
@@ -13,13 +14,20 @@ frozen. A process of its own, ended on a stop, needs none of them.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["children_allowed", "children_allowed_here", "is_peer_loss", "platform_start_method"]
+__all__ = [
+    "children_allowed",
+    "children_allowed_here",
+    "interface_of",
+    "is_peer_loss",
+    "platform_start_method",
+]
 
 
 @contextlib.contextmanager
@@ -90,3 +98,32 @@ def is_peer_loss(exc: BaseException) -> bool:
 
     text = str(exc)
     return isinstance(exc, (RuntimeError, dist.DistError)) and any(m in text for m in _PEER_LOSS)
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that carries ``address`` on this machine, if any.
+
+    The machine's addresses are read once per process (0.6 ms: a rank's process inherits
+    them from its template, :mod:`dask_ddp._rankproc`), again when ``address`` is not
+    among them.
+
+    >>> interface_of("127.0.0.1")
+    'lo'
+    """
+    name = _interfaces().get(address)
+    if name is None:
+        _interfaces.cache_clear()
+        name = _interfaces().get(address)
+    return name
+
+
+@functools.lru_cache(maxsize=1)
+def _interfaces() -> dict[str, str]:
+    """Each address of this machine, with the first network interface that carries it."""
+    import psutil
+
+    names: dict[str, str] = {}
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            names.setdefault(a.address, name)
+    return names

@@ -436,8 +436,8 @@ class EventPlan:
     """Where and how often a rank sends its messages."""
 
     topic: str  # the job's event topic, the same for all its attempts
-    flush_interval: float = 0.2  # ddp.event-flush-interval, for the job's size
-    idle_interval: float = 0.05  # a quarter of it while a rank sends few, for the job's size
+    flush_interval: float = 0.05  # ddp.event-flush-interval, for the job's size
+    idle_interval: float = 0.05  # how long a rank that sent nothing waits (the same, now)
     max_event_bytes: int = 65536  # ddp.max-event-bytes
 
 

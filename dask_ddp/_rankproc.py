@@ -94,10 +94,10 @@ def _inherited() -> None:
     """What the template works out once, so that each rank's process inherits it: the C
     library's handle (``find_library`` runs ``ldconfig`` in a child process), the machine's
     network addresses (gloo's interface is chosen from them)."""
-    from . import _malloc, bootstrap
+    from . import _malloc, _process
 
     _malloc._glibc()
-    bootstrap._interfaces()
+    _process.interface_of("127.0.0.1")
 
 
 _inherited()

@@ -409,7 +409,7 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
     # "gloo", and "cpu:gloo,cuda:nccl" too
     if "gloo" in spec.rendezvous.backend and "GLOO_SOCKET_IFNAME" not in os.environ:
-        ifname = _interface_of(p.host)
+        ifname = _process.interface_of(p.host)
         if ifname is not None:
             # gloo otherwise advertises the address the machine's hostname resolves to, often
             # 127.0.x.1, which ranks on other hosts cannot reach. The Dask worker's own
@@ -420,31 +420,6 @@ def _torchrun_env(spec: RankSpec) -> dict[str, str]:
         # rank (rank 0 too) then connects to the store that already listens on MASTER_PORT.
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return env
-
-
-def _interface_of(address: str) -> str | None:
-    """The network interface that carries ``address`` on this machine, if any.
-
-    The machine's addresses are read once per process (0.6 ms: a rank's process inherits
-    them from its template, :mod:`dask_ddp._rankproc`), again when ``address`` is not
-    among them."""
-    name = _interfaces().get(address)
-    if name is None:
-        _interfaces.cache_clear()
-        name = _interfaces().get(address)
-    return name
-
-
-@functools.lru_cache(maxsize=1)
-def _interfaces() -> dict[str, str]:
-    """Each address of this machine, with the first network interface that carries it."""
-    import psutil
-
-    names: dict[str, str] = {}
-    for name, addrs in psutil.net_if_addrs().items():
-        for a in addrs:
-            names.setdefault(a.address, name)
-    return names
 
 
 @contextlib.contextmanager

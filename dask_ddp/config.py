@@ -50,7 +50,7 @@ class Settings:
     threads_per_rank: int | None
     tune_malloc: bool = True
     max_event_bytes: int = 65536
-    event_flush_interval: float = 0.2
+    event_flush_interval: float = 0.05
     job_event_rate: float = 2000.0
     event_drain_timeout: float = 10.0
     scale_timeout: float = 300.0

@@ -422,7 +422,7 @@ def test_channel_settings_are_resolved_on_the_client() -> None:
 
     settings = config.resolve()
     assert settings.max_event_bytes == 64_000
-    assert settings.event_flush_interval == 0.2 and settings.event_drain_timeout == 10.0
+    assert settings.event_flush_interval == 0.05 and settings.event_drain_timeout == 10.0
     with dask.config.set({"ddp.max-event-bytes": "1MiB", "ddp.event-flush-interval": "1s"}):
         settings = config.resolve()
     assert settings.max_event_bytes == 2**20 and settings.event_flush_interval == 1.0

@@ -271,13 +271,13 @@ def test_the_interface_of_an_address_is_read_again_when_it_is_new(monkeypatch) -
 
     import psutil
 
-    from dask_ddp import bootstrap
+    from dask_ddp import _process
 
-    bootstrap._interfaces.cache_clear()
-    assert bootstrap._interface_of("127.0.0.1") == "lo"
-    assert bootstrap._interface_of("192.0.2.77") is None
+    _process._interfaces.cache_clear()
+    assert _process.interface_of("127.0.0.1") == "lo"
+    assert _process.interface_of("192.0.2.77") is None
     Address = collections.namedtuple("Address", "address")
     added = {**psutil.net_if_addrs(), "test0": [Address("192.0.2.77")]}
     monkeypatch.setattr(psutil, "net_if_addrs", lambda: added)
-    assert bootstrap._interface_of("192.0.2.77") == "test0"
-    bootstrap._interfaces.cache_clear()
+    assert _process.interface_of("192.0.2.77") == "test0"
+    _process._interfaces.cache_clear()
