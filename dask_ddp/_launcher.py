@@ -180,11 +180,6 @@ class Launcher:
         plan_events = EventPlan(
             job_topic(spec.job_id),
             flush_interval=flush,
-            # A rank that sent nothing for an interval sends at once; a busy one batches
-            # an interval apart: at most one event per rank per interval, idle or busy
-            # (with a shorter idle interval, a rank reporting a little less often than a
-            # busy one would send more events than it).
-            idle_interval=flush,
             max_event_bytes=settings.max_event_bytes,
         )
         specs = [

@@ -436,8 +436,11 @@ class EventPlan:
     """Where and how often a rank sends its messages."""
 
     topic: str  # the job's event topic, the same for all its attempts
-    flush_interval: float = 0.05  # ddp.event-flush-interval, for the job's size
-    idle_interval: float = 0.05  # how long a rank that sent nothing waits (the same, now)
+    # ddp.event-flush-interval, for the job's size. A rank that sent nothing for an
+    # interval sends at once (its channel's idle interval is the same): at most one event
+    # per rank per interval, idle or busy; with a shorter idle interval, a rank reporting a
+    # little less often than a busy one would send more events than it.
+    flush_interval: float = 0.05
     max_event_bytes: int = 65536  # ddp.max-event-bytes
 
 

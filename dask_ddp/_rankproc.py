@@ -855,10 +855,13 @@ def _rehearse_start() -> None:
 
 
 class _Unsent:
-    """A rehearsal channel's link: what it sends goes nowhere."""
+    """A rehearsal channel's link: what it sends is pickled as the pipe pickles it
+    (:meth:`RankLink.emit`), and goes nowhere."""
 
     def emit(self, topic: str, event: dict[str, Any]) -> None:
-        cloudpickle.dumps(("emit", topic, event))
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler.dumps(("emit", topic, event))
 
     def hold_blob(self, key: str, msg: list[Any]) -> None:
         pass

@@ -636,7 +636,6 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         spec.run_id,
         p.rank,
         interval=spec.events.flush_interval,
-        idle_interval=spec.events.idle_interval,
         max_event_bytes=spec.events.max_event_bytes,
         topic=spec.events.topic,
     )
@@ -763,7 +762,6 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
         spec.run_id,
         spec.placement.rank,
         interval=spec.events.flush_interval,
-        idle_interval=spec.events.idle_interval,
         max_event_bytes=spec.events.max_event_bytes,
         topic=spec.events.topic,
         relay=link,
