@@ -281,3 +281,37 @@ def test_the_interface_of_an_address_is_read_again_when_it_is_new(monkeypatch) -
     monkeypatch.setattr(psutil, "net_if_addrs", lambda: added)
     assert _process.interface_of("192.0.2.77") == "test0"
     _process._interfaces.cache_clear()
+
+
+STALLED_STORE_REHEARSAL = """
+import threading, time
+from dask_ddp import _rankproc
+
+entered, held = threading.Event(), threading.Event()
+
+def stalled():  # a connection whose name lookup the resolver lost
+    entered.set()
+    held.wait(60)
+
+_rankproc._rehearse_store = stalled
+began = time.monotonic()
+_rankproc._rehearse_start()
+took = time.monotonic() - began
+assert entered.wait(10), "the store rehearsal never started"
+print(f"{took:.3f}")
+"""
+
+
+def test_a_spare_s_rehearsal_never_waits_for_its_store_connection() -> None:
+    # torch looks a store connection's address up by name at both ends; a resolver that
+    # loses the query holds the connection for its timeout (5 s). A spare that rehearsed
+    # its store on its main thread made its rank's go wait that long (one launch in four,
+    # back to back, on 8 workers here): the store's rehearsal runs on a thread of its own.
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", STALLED_STORE_REHEARSAL],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 2.0
