@@ -85,22 +85,10 @@ PRELOAD = [
     "dask_ddp.bootstrap",
     "dask_ddp._rankproc",
     "dask_ddp.data._collection_shard",
+    "dask_ddp._template",  # the template's own set-up, once its imports are done
 ]
 
 _template_lock = threading.Lock()
-
-
-def _inherited() -> None:
-    """What the template works out once, so that each rank's process inherits it: the C
-    library's handle (``find_library`` runs ``ldconfig`` in a child process), the machine's
-    network addresses (gloo's interface is chosen from them)."""
-    from . import _malloc, _process
-
-    _malloc._glibc()
-    _process.interface_of("127.0.0.1")
-
-
-_inherited()
 
 
 def _context() -> Any:
