@@ -20,14 +20,29 @@ back to back, each paying the last one's.
 
 (16 workers import torch once each: on a 2-core machine the clusters take a minute or two
 to start; the timed runs are on warm workers.)
+
+``--against DIR`` compares this tree's dask_ddp with another's (a ``git worktree`` of an
+older commit), run for run: two driver processes, one per tree (``PYTHONPATH``), each with
+its own cluster of N workers, alive at once; they take turns (A B B A ...), each call after
+``--gap`` seconds of quiet while the other cluster idles, so that the machine's drift
+reaches both sides alike. It prints each side's median, their ratio and how many pairs
+this tree won::
+
+    git worktree add /tmp/before 58c5e88
+    python benchmarks/launch_growth.py --against /tmp/before --sizes 2,4,8 --runs 20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
 import time
 
-from _common import command_line, median, versions
+from _common import HERE, command_line, median, versions
 
 
 def entered(tag: int = 0) -> float:
@@ -53,6 +68,88 @@ def run_plain(client, workers: list[str]) -> tuple[float, float]:
     return max(out) - t0, time.time() - t0
 
 
+def serve(n: int, warmup_runs: int) -> None:
+    """A driver of ``--against``: its own cluster of ``n`` workers; one timed launch per
+    ``go`` line read, its times written as a JSON line."""
+    from distributed import Client, LocalCluster
+
+    import dask_ddp
+
+    with (
+        LocalCluster(
+            n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(n, timeout=600)
+        for _ in range(warmup_runs):
+            run_dask_ddp(client)
+        print(json.dumps({"ready": dask_ddp.__file__}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "go":
+                break
+            print(json.dumps(run_dask_ddp(client)), flush=True)
+
+
+def against(args: argparse.Namespace) -> None:
+    """This tree's launches against ``args.against``'s, interleaved (see the docstring)."""
+    here = os.path.dirname(HERE)
+    trees = {"this": here, "other": os.path.abspath(args.against)}
+    rows = []
+    for n in [int(x) for x in args.sizes.split(",")]:
+        drivers = {
+            side: subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--serve",
+                    str(n),
+                    "--warmup-runs",
+                    str(args.warmup_runs),
+                ],
+                env={**os.environ, "PYTHONPATH": tree},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for side, tree in trees.items()
+        }
+        try:
+            for side, driver in drivers.items():
+                ready = json.loads(driver.stdout.readline())["ready"]
+                if not ready.startswith(trees[side]):
+                    raise SystemExit(f"the {side} driver imported dask_ddp from {ready}")
+            done: dict[str, list[float]] = {side: [] for side in drivers}
+            for i in range(args.runs):
+                for side in ("this", "other") if i % 2 == 0 else ("other", "this"):
+                    time.sleep(args.gap)
+                    drivers[side].stdin.write("go\n")
+                    drivers[side].stdin.flush()
+                    done[side].append(json.loads(drivers[side].stdout.readline())[1])
+        finally:
+            for driver in drivers.values():
+                with contextlib.suppress(OSError):
+                    driver.stdin.close()
+            for driver in drivers.values():
+                driver.wait(120)
+        rows.append((n, done))
+    print(f"\n{command_line()}")
+    print(
+        f"{versions('dask', 'distributed')}, {args.runs} runs a side, interleaved, "
+        f"{args.gap} s quiet before each call; other = {trees['other']}"
+    )
+    print(f"{'N':>3} {'this':>8} {'other':>8} {'ratio':>6} {'this won':>9}")
+    for n, done in rows:
+        a, b = median(done["this"]), median(done["other"])
+        won = sum(x < y for x, y in zip(done["this"], done["other"], strict=True))
+        print(f"{n:>3} {a:>7.3f}s {b:>7.3f}s {a / b:>5.2f}x {won:>4}/{len(done['this'])}")
+    print("every time (s), call -> results gathered:")
+    for n, done in rows:
+        for side, times in done.items():
+            print(f"  N={n} {side}: {', '.join(f'{t:.3f}' for t in times)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -64,7 +161,17 @@ def main() -> None:
         default=0.5,
         help="seconds of quiet before each timed call, either side's (0: back to back)",
     )
+    parser.add_argument(
+        "--against",
+        metavar="DIR",
+        help="another tree's dask_ddp (a git worktree): compared run for run, interleaved",
+    )
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # --against's drivers
     args = parser.parse_args()
+    if args.serve:
+        return serve(args.serve, args.warmup_runs)
+    if args.against:
+        return against(args)
 
     from distributed import Client, LocalCluster
 
