@@ -808,19 +808,27 @@ _QUIET = 0.1
 
 
 def _rehearse_start() -> None:
-    """Rehearse a rank's start: make and destroy a one-rank gloo group on loopback, then
-    connect to a store of its own on a thread (:func:`_rehearse_store`). A process's first
-    ``init_process_group`` costs about 10 ms more than any later one (gloo's and torch's
-    one-time set-up), its first store connection 0.5 ms more (and 60 of the pages it shares
-    with its template copied), which a spare pays while it waits instead of its rank.
-    Destroying the default group resets torch's group counter: the rank's group gets the
-    name its peers' get. A failure here is the rank's to meet, and report."""
+    """Rehearse a rank's start: make and destroy a one-rank gloo group on loopback, through
+    a store in memory, and open and close a channel. A process's first group costs about
+    5 ms more than any later one (gloo's one-time set-up, and 1,000 pages it shares with its
+    template copied), which a spare pays while it waits instead of its rank. Destroying the
+    default group resets torch's group counter: the rank's group gets the name its peers'
+    get. A failure here is the rank's to meet, and report.
+
+    Nothing here goes over the network: torch looks each store connection's address up by
+    name, at both ends, and the spares of a job rehearsing a connection each (four queries
+    a spare, all at once) made the resolver lose queries here, the ranks' own among them:
+    each such loss held a rank's connection 5 s, glibc's timeout."""
     import torch.distributed as dist
 
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        store = dist.HashStore()
+        store.add("joined", 1)  # what a rendezvous asks (bootstrap._rendezvous)
+        store.compare_set("ready", "", "1")
+        store.get("ready")
+        dist.init_process_group("gloo", store=dist.PrefixStore("0", store), rank=0, world_size=1)
         dist.destroy_process_group()
         _rehearse_channel()
     except Exception:
@@ -830,29 +838,6 @@ def _rehearse_start() -> None:
             del os.environ["GLOO_SOCKET_IFNAME"]
         else:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-    threading.Thread(target=_rehearse_store, name="dask-ddp-rehearsal", daemon=True).start()
-
-
-def _rehearse_store() -> None:
-    """Connect to a store of its own on loopback and ask what a rendezvous asks
-    (:func:`dask_ddp.bootstrap._rendezvous`). On a thread of its own: torch looks each
-    connection's address up by name, both ends, and a resolver that loses the query holds
-    it for its timeout (5 s, glibc's default; one in a few hundred here), which the rank's
-    go must not wait for. The thread waits in C++, without the GIL."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    try:
-        timeout = timedelta(seconds=30)
-        own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        store = dist.TCPStore("127.0.0.1", own.port, is_master=False, timeout=timeout)
-        store.set_timeout(timeout)
-        store.add("joined", 1)
-        store.compare_set("ready", "", "1")
-        store.get("ready")
-    except Exception:
-        logger.debug("a store connection ahead of the rank failed", exc_info=True)
 
 
 class _Unsent:
