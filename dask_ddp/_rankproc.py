@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import cloudpickle
@@ -90,6 +90,22 @@ PRELOAD = [
 
 _template_lock = threading.Lock()
 
+#: Set in the worker's environment while it starts its template: the template's own set-up
+#: (:mod:`dask_ddp._template`) runs where it finds it, and nowhere else that imports it.
+TEMPLATE_MARK = "DASK_DDP_RANK_TEMPLATE"
+
+
+@contextlib.contextmanager
+def _starting_template() -> Iterator[None]:
+    """(With ``_template_lock`` held.) Mark the environment a template starts with, if one
+    starts now: multiprocessing starts the forkserver on first use, with this process's
+    environment."""
+    os.environ[TEMPLATE_MARK] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(TEMPLATE_MARK, None)
+
 
 def _context() -> Any:
     """The worker's forkserver context, its preloads set before it first starts."""
@@ -104,7 +120,7 @@ def start_template() -> None:
     from multiprocessing import forkserver
 
     _context()
-    with _template_lock:
+    with _template_lock, _starting_template():
         forkserver.ensure_running()
 
 
@@ -365,7 +381,7 @@ def _fork() -> _Spare:
         daemon=True,
     )
     try:
-        with _template_lock, _process.children_allowed(True):
+        with _template_lock, _starting_template(), _process.children_allowed(True):
             process.start()
     except BaseException:
         task_end.close()

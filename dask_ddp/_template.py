@@ -1,5 +1,8 @@
-"""The rank template's own set-up: imported by the template alone (the last of
-:data:`dask_ddp._rankproc.PRELOAD`), once, before it forks its first rank's process.
+"""The rank template's own set-up: run once, before it forks its first rank's process, by
+the template that imports this module (the last of :data:`dask_ddp._rankproc.PRELOAD`)
+with :data:`~dask_ddp._rankproc.TEMPLATE_MARK` in its environment (the mark goes, so its
+ranks do not inherit it). Any other process that imports it (the suite's doctests) is
+left as it was.
 
 What it works out here, every rank's process inherits instead of working out again:
 
@@ -22,7 +25,7 @@ import gc
 import logging
 import os
 
-from . import _malloc, _process
+from . import _malloc, _process, _rankproc
 
 logger = logging.getLogger(__name__)
 
@@ -41,4 +44,5 @@ def _prepare() -> None:
         logger.debug("the rank template's set-up failed", exc_info=True)
 
 
-_prepare()
+if os.environ.pop(_rankproc.TEMPLATE_MARK, None) == "1":
+    _prepare()

@@ -257,18 +257,40 @@ def test_a_rank_s_first_full_collection_leaves_the_template_s_objects_alone(
         assert took < 0.1, f"a full collection took {took:.3f} s of CPU"
 
 
-def test_the_template_registers_gloo_before_its_first_fork() -> None:
-    # torch 2.14 registers even gloo on first use, reading every installed package's entry
-    # points (6-10 ms); the template does it once, for every rank's process.
+TEMPLATE_SET_UP = """
+import gc, os, sys
+from torch.distributed.distributed_c10d import Backend
+import dask_ddp._template
+from dask_ddp._rankproc import TEMPLATE_MARK
+
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("GLOO" in Backend._plugins, gc.get_freeze_count() > 0, TEMPLATE_MARK in os.environ)
+"""
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_only_the_template_sets_itself_up(template: bool) -> None:
+    # The template registers gloo once (torch 2.14 reads every installed package's entry
+    # points on a backend's first use: 6-10 ms of each rank's process) and freezes its
+    # objects before each fork; its ranks do not inherit the mark. Any other process that
+    # imports the module (the suite's doctests) is left as it was: its forks would
+    # otherwise freeze its objects for good.
     import subprocess
 
-    code = (
-        "from torch.distributed.distributed_c10d import Backend\n"
-        "import dask_ddp._template\n"
-        "assert 'GLOO' in Backend._plugins, Backend._plugins\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    from dask_ddp._rankproc import TEMPLATE_MARK
+
+    env = {k: v for k, v in os.environ.items() if k != TEMPLATE_MARK}
+    if template:
+        env[TEMPLATE_MARK] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", TEMPLATE_SET_UP], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(template), str(template), "False"]
 
 
 def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
