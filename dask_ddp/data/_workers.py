@@ -24,7 +24,8 @@ def freeze_inherited_objects() -> None:
     exists now out of the collector's sight (and stops it from writing to the inherited
     pages), so a full collection takes milliseconds. Python's documentation gives this
     pattern for forked workers. Objects frozen are never collected, so whatever garbage
-    the worker inherited stays; the rank's own process is never frozen.
+    the worker inherited stays. The rank's own objects are never frozen (its template's are:
+    :mod:`dask_ddp._template`).
     """
     global _checked_pid
     pid = os.getpid()
