@@ -41,6 +41,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from _common import HERE, command_line, median, versions
 
@@ -68,12 +70,10 @@ def run_plain(client, workers: list[str]) -> tuple[float, float]:
     return max(out) - t0, time.time() - t0
 
 
-def serve(n: int, warmup_runs: int) -> None:
-    """A driver of ``--against``: its own cluster of ``n`` workers; one timed launch per
-    ``go`` line read, its times written as a JSON line."""
+@contextlib.contextmanager
+def cluster_of(n: int) -> Iterator[Any]:
+    """A client of a LocalCluster of ``n`` single-threaded worker processes, all joined."""
     from distributed import Client, LocalCluster
-
-    import dask_ddp
 
     with (
         LocalCluster(
@@ -82,6 +82,15 @@ def serve(n: int, warmup_runs: int) -> None:
         Client(cluster) as client,
     ):
         client.wait_for_workers(n, timeout=600)
+        yield client
+
+
+def serve(n: int, warmup_runs: int) -> None:
+    """A driver of ``--against``: its own cluster of ``n`` workers; one timed launch per
+    ``go`` line read, its times written as a JSON line."""
+    import dask_ddp
+
+    with cluster_of(n) as client:
         for _ in range(warmup_runs):
             run_dask_ddp(client)
         print(json.dumps({"ready": dask_ddp.__file__}), flush=True)
@@ -173,18 +182,10 @@ def main() -> None:
     if args.against:
         return against(args)
 
-    from distributed import Client, LocalCluster
-
     sizes = [int(n) for n in args.sizes.split(",")]
     rows = []
     for n in sizes:
-        with (
-            LocalCluster(
-                n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0"
-            ) as cluster,
-            Client(cluster) as client,
-        ):
-            client.wait_for_workers(n, timeout=600)
+        with cluster_of(n) as client:
             workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
             ours: dict[str, list[float]] = {"in": [], "done": []}
             plain: dict[str, list[float]] = {"in": [], "done": []}

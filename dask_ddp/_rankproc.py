@@ -10,8 +10,10 @@ value. The worker never runs, or even unpickles, the user's function.
   from the worker plugin :class:`dask_ddp.bootstrap.TemplatePlugin`), and one spare
   process forked from it ahead of the next rank (a fork of a torch process costs about
   12 ms, its exit about 10: the next spare is forked once the last rank's process is gone).
-  A spare that waits rehearses a rank's start (a store connection, a one-rank gloo
-  group), the one-time costs of a process's first ``init_process_group``. Nothing a job
+  The template works out once what every rank would (:mod:`dask_ddp._template`), and
+  freezes its objects before each fork. A spare that waits rehearses a rank's start (a
+  rendezvous on a store in memory, a one-rank gloo group; nothing over the network), the
+  one-time costs of a process's first ``init_process_group``. Nothing a job
   leaves in a process (a half import, torch's group counter, CUDA started under another
   ``CUDA_VISIBLE_DEVICES``) reaches the next, and the worker never starts CUDA.
 - **The link.** One duplex pipe. The rank's :class:`~dask_ddp.events.RankChannel` runs in
