@@ -250,21 +250,15 @@ class Launcher:
             )
 
     def submit(self, attempt: Attempt) -> None:
-        """Submit the attempt's rank tasks (they go out on the client's stream)."""
-        attempt.futures = [
-            self.client.submit(
-                call,
-                Entry.RUN_RANK,
-                self.spec.payload,
-                spec,
-                key=spec.key,
-                workers=[spec.placement.worker],
-                allow_other_workers=False,
-                pure=False,
-                retries=0,
-            )
-            for spec in attempt.specs
-        ]
+        """Submit the attempt's rank tasks, one graph (it goes out on the client's stream),
+        each task pinned to its rank's worker."""
+        attempt.futures = _dask_internals.submit_pinned(
+            self.client,
+            [
+                (spec.key, spec.placement.worker, call, (Entry.RUN_RANK, self.spec.payload, spec))
+                for spec in attempt.specs
+            ],
+        )
 
     async def publish(self, attempt: Attempt) -> None:
         """Publish the attempt's futures, so that every client can read them (and the

@@ -310,3 +310,28 @@ def test_kill_worker_processes_restarts_them_under_their_names(own_cluster) -> N
             return victim not in now and before[victim] in {w["name"] for w in now.values()}
 
         poll_for(back, timeout=60)
+
+
+def _where(tag: int) -> tuple[int, str]:
+    from distributed import get_worker
+
+    return tag, get_worker().address
+
+
+def test_submit_pinned_runs_each_call_on_its_worker_in_one_graph(client: Client) -> None:
+    import uuid
+
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    calls = [
+        (f"pinned-{uuid.uuid4().hex}", worker, _where, (i,))
+        for i, worker in enumerate(list(reversed(workers)) * 2)
+    ]
+    futures = _dask_internals.submit_pinned(client, calls)
+    assert [f.key for f in futures] == [key for key, *_ in calls]
+    assert client.gather(futures) == [(i, worker) for _, worker, _, (i,) in calls]
+    graphs = [
+        msg for _, msg in client.get_events(client.id)
+        if isinstance(msg, dict) and msg.get("action") == "update-graph"
+        and msg.get("metrics", {}).get("new_tasks") == len(calls)
+    ]  # fmt: skip
+    assert graphs, "the calls did not go out as one graph"
