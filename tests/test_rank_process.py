@@ -234,15 +234,11 @@ class _Cycle:
         self.me = self
 
 
-def _collects() -> tuple[int, int, float]:
+def _collects() -> tuple[int, int]:
     import gc
-    import time as clock
 
     _Cycle()  # the rank's own garbage
-    frozen = gc.get_freeze_count()
-    began = clock.process_time()
-    collected = gc.collect()
-    return frozen, collected, clock.process_time() - began
+    return gc.get_freeze_count(), gc.collect()
 
 
 def test_a_rank_s_first_full_collection_leaves_the_template_s_objects_alone(
@@ -251,10 +247,9 @@ def test_a_rank_s_first_full_collection_leaves_the_template_s_objects_alone(
     # Without the template's objects frozen, a rank's first full collection walked all of
     # them (350,000 with torch): 250 ms of CPU, and 89 MB of the template's pages copied
     # into the rank's process. The rank's own garbage is still collected.
-    for frozen, collected, took in dask_ddp.launch(client, _collects).result(timeout=120):
-        assert frozen > 100_000
+    for frozen, collected in dask_ddp.launch(client, _collects).result(timeout=120):
+        assert frozen > 100_000  # out of the collector's sight
         assert collected >= 1  # the cycle
-        assert took < 0.1, f"a full collection took {took:.3f} s of CPU"
 
 
 TEMPLATE_SET_UP = """
