@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
+import distributed
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -180,8 +180,9 @@ def recovery_job(mb: int, marker_dir: str) -> dict[str, Any]:
         torch.distributed.barrier()
         if ctx.rank == 0:
             Path(marker_dir, "killed_at").write_text(repr(time.time()))
-            # The rank's worker (its template's parent) dies, and the rank with it.
-            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            # The rank's worker dies (get_worker() in a rank: a stand-in that knows its pid), and
+            # the rank with it.
+            os.kill(distributed.get_worker().pid, signal.SIGKILL)
             time.sleep(60)
         torch.distributed.barrier()  # fails once rank 0 is gone
     return {"attempt": ctx.attempt, "load": load, "rank": ctx.rank, "worker": ctx.worker}

@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
+import distributed
 import torch
 from _common import command_line, median, small_cnn, torchrun_command, versions
 
@@ -163,8 +163,9 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             if step == cfg["kill_at"] and rank == world - 1:
                 with open(os.path.join(cfg["out"], "killed.json"), "w") as f:
                     json.dump({"time": time.time(), "pid": os.getpid()}, f)
-                # The rank's worker (its template's parent) dies, and the rank with it.
-                os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+                # The rank's worker dies (get_worker() in a rank: a stand-in that knows its
+                # pid), and the rank with it.
+                os.kill(distributed.get_worker().pid, signal.SIGKILL)
                 time.sleep(60)
             if step == cfg["warmup"]:
                 if cuda:

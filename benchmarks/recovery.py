@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
+import distributed
 import torch
 
 
@@ -73,8 +73,8 @@ def train(
         if ctx.attempt == 0 and ctx.rank == 1 and step == steps // 2:
             with open(os.path.join(marker_dir, "killed_at"), "w") as f:
                 f.write(repr(time.time()))
-            if kill == "worker":  # the rank's worker (its template's parent), and the rank
-                os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            if kill == "worker":  # the rank's worker (get_worker().pid in a rank), and the rank
+                os.kill(distributed.get_worker().pid, signal.SIGKILL)
             else:  # the rank's own process (before issue 42 that was its worker's)
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)

@@ -201,20 +201,20 @@ def cancel_round(client: Client, rng: random.Random, number: int) -> dict[str, A
 
 
 def rank_processes(dask_worker: Any = None) -> list[int]:
-    """Run on a worker: the processes under its rank template but its spare (the ranks
-    running, or left behind, and everything they started)."""
+    """Run on a worker: the processes in the process groups of the rank processes it forked
+    but its spare's (the ranks running, or left behind, and everything they started)."""
     import psutil
 
     from dask_ddp import _rankproc
 
     spare = _rankproc._spare
-    spare_pid = spare.process.pid if spare is not None else None
-    return [
-        p.pid
-        for template in psutil.Process().children()
-        for p in template.children(recursive=True)
-        if p.pid != spare_pid
-    ]
+    groups = _rankproc.groups_alive() - {spare.process.pid if spare is not None else None}
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            if os.getpgid(p.pid) in groups:
+                found.append(p.pid)
+    return found
 
 
 def left_behind(client: Client, within: float = 10.0) -> dict[str, list[int]]:

@@ -5,11 +5,13 @@ The rank task (:func:`dask_ddp.bootstrap.run_rank`) stays a Dask task on its wor
 starts the rank's process (:func:`run`), relays what the process sends and returns its
 value. The worker never runs, or even unpickles, the user's function.
 
-- **The template.** Each worker keeps one ``multiprocessing`` forkserver that has imported
-  torch and dask-ddp and runs no threads, started as the worker joins (:func:`get_ready`,
-  from the worker plugin :class:`dask_ddp.bootstrap.TemplatePlugin`), and one spare
-  process forked from it ahead of the next rank (a fork of a torch process costs about
-  12 ms, its exit about 10: the next spare is forked once the last rank's process is gone).
+- **The template.** Each worker forks its ranks from a ``multiprocessing`` forkserver that
+  has imported torch and dask-ddp and runs no threads (:mod:`dask_ddp._template`: its
+  nanny's, which outlives the worker, or its own), found as the worker joins
+  (:func:`get_ready`, from the worker plugin :class:`dask_ddp.bootstrap.TemplatePlugin`),
+  and keeps one spare process forked from it ahead of the next rank (a fork of a torch
+  process costs about 12 ms, its exit about 10: the next spare is forked once the last
+  rank's process is gone).
   The template works out once what every rank would (:mod:`dask_ddp._template`), and
   freezes its objects before each fork. A spare that waits rehearses a rank's start (a
   rendezvous on a store in memory, a one-rank gloo group; nothing over the network), the
@@ -38,6 +40,7 @@ value. The worker never runs, or even unpickles, the user's function.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import faulthandler
@@ -52,7 +55,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import cloudpickle
@@ -66,85 +69,37 @@ __all__ = [
     "RankProcess",
     "WorkerStandIn",
     "get_ready",
+    "groups_alive",
     "run",
     "spare_waits",
-    "start_template",
     "warm",
 ]
-
-#: Modules the template imports once, so that a rank's process starts with them. Measured
-#: in a process forked from a template without them: ``dask_ddp.data._collection_shard``
-#: took 50 ms in each rank, and ``DistributedDataParallel(model)`` 1.4 s (it imports
-#: ``torch._dynamo``, and with it sympy: 889 modules), which a restart paid again.
-PRELOAD = [
-    "__main__",
-    "torch",
-    "torch.distributed",
-    "torch.nn.parallel",
-    "torch.utils.data",
-    "torch.optim",
-    "torch._dynamo",
-    "dask_ddp.bootstrap",
-    "dask_ddp._rankproc",
-    "dask_ddp.data._collection_shard",
-    "dask_ddp._template",  # the template's own set-up, once its imports are done
-]
-
-_template_lock = threading.Lock()
-
-#: Set in the worker's environment while it starts its template: the template's own set-up
-#: (:mod:`dask_ddp._template`) runs where it finds it, and nowhere else that imports it.
-TEMPLATE_MARK = "DASK_DDP_RANK_TEMPLATE"
-
-
-@contextlib.contextmanager
-def _starting_template() -> Iterator[None]:
-    """(With ``_template_lock`` held.) Mark the environment a template starts with, if one
-    starts now: multiprocessing starts the forkserver on first use, with this process's
-    environment."""
-    os.environ[TEMPLATE_MARK] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(TEMPLATE_MARK, None)
-
-
-def _context() -> Any:
-    """The worker's forkserver context, its preloads set before it first starts."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def start_template() -> None:
-    """Start this worker's template (the forkserver) if it is not running; its imports go
-    on in its own process (the first fork from it waits for them)."""
-    from multiprocessing import forkserver
-
-    _context()
-    with _template_lock, _starting_template():
-        forkserver.ensure_running()
 
 
 def warm() -> None:
     """Start this worker's template if it is not running, and fork a spare rank process
     from it: the next rank then starts without waiting for the template's imports (1-3 s)
     or for a fork (tens of milliseconds)."""
-    start_template()
+    from . import _template
+
+    _template.start()
     _refill()
 
 
 def dask_setup(worker: Any) -> None:
     """Dask's preload hook (the command line's own LocalCluster preloads this module): the
-    worker gets ready for its ranks (:func:`get_ready`) before it registers."""
-    get_ready()
+    worker gets ready for its ranks (:func:`get_ready`) as it starts."""
+    get_ready(worker)
 
 
-def get_ready() -> None:
-    """In a background thread: start this worker's template and fork the first spare
-    (:func:`warm`). A failure is left to the next probe, which starts them again and says
+def get_ready(worker: Any) -> None:
+    """On ``worker``'s event loop, in the background: find its template (its nanny's, which
+    answers once the worker has started: awaited here, the worker's start would wait for
+    itself), then, in a thread, start it if it is the worker's own and fork the first spare
+    (:func:`warm`). A failure is left to the next probe, which does both again and says
     why. (The worker's own torch import stays in the probe: torch imported by two threads
     at once can abort the process.)"""
+    from . import _template
 
     def ready() -> None:
         try:
@@ -152,7 +107,16 @@ def get_ready() -> None:
         except Exception:
             logger.debug("the rank template did not start ahead of the rank", exc_info=True)
 
-    threading.Thread(target=ready, name="dask-ddp-ready", daemon=True).start()
+    async def find_then_fork() -> None:
+        await _template.find(worker)
+        threading.Thread(target=ready, name="dask-ddp-ready", daemon=True).start()
+
+    task = asyncio.ensure_future(find_then_fork())
+    _getting_ready.add(task)  # held until done (the loop keeps only a weak reference)
+    task.add_done_callback(_getting_ready.discard)
+
+
+_getting_ready: set[asyncio.Future[None]] = set()
 
 
 # -- the task's side, in the worker ---------------------------------------------------------
@@ -325,7 +289,7 @@ def run(
     """
     from . import _dask_internals
 
-    spare = _take()
+    spare = _take(worker)
     handle = RankProcess(spare.process, spare.conn, spare.stacks_fd, grace)
     pool = concurrent.futures.ThreadPoolExecutor(
         2,
@@ -363,27 +327,30 @@ class _Spare:
 
 
 _spare: _Spare | None = None  # this worker's one spare (a rank process is never reused)
+_groups: set[int] = set()  # the process groups of the rank processes forked here
 _exiting: set[RankProcess] = set()  # ended ranks' processes still tearing down
 _spares_lock = threading.Lock()
 _refill_lock = threading.Lock()  # one fork of a spare at a time
 
 
 def _fork() -> _Spare:
-    from . import _process
+    from . import _process, _template
 
-    ctx = _context()
-    task_end, rank_end = ctx.Pipe(duplex=True)
+    task_end, rank_end = multiprocessing.Pipe(duplex=True)
     stacks_r, stacks_w = os.pipe()
-    process = ctx.Process(
+    # The worker's environment, whichever process the template belongs to (its nanny's
+    # has the nanny's: not the nanny's ``env``, nor dask-cuda's CUDA_VISIBLE_DEVICES).
+    environ = {k: v for k, v in os.environ.items() if k != _template.TEMPLATE_MARK}
+    process = _template.TemplateProcess(
         target=_rank_main,
-        args=(rank_end, _Fd(stacks_w)),
+        args=(rank_end, _Fd(stacks_w), environ),
         name="dask-ddp-rank",
         # Daemonic for its worker: a worker that exits ends its spare and its rank (else it
         # would wait for them); the rank itself may have children (_rank_main).
         daemon=True,
     )
     try:
-        with _template_lock, _starting_template(), _process.children_allowed(True):
+        with _process.children_allowed(True):
             process.start()
     except BaseException:
         task_end.close()
@@ -392,7 +359,24 @@ def _fork() -> _Spare:
     finally:
         rank_end.close()
         os.close(stacks_w)
+    with _spares_lock:
+        _groups.add(process.pid)  # it leads a group of its own (_rank_main)
     return _Spare(process, task_end, stacks_r)
+
+
+def groups_alive() -> set[int]:
+    """The process groups of this worker's rank processes that still have a process in
+    them: its spare's, its running ranks', and any a stop left behind. (The processes are
+    not the worker's children: the template's, which may be its nanny's.)"""
+    with _spares_lock:
+        for group in list(_groups):
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                _groups.discard(group)
+            except PermissionError:  # a new group of another user's took the number
+                _groups.discard(group)
+        return set(_groups)
 
 
 def spare_waits() -> bool:
@@ -423,7 +407,7 @@ def _refill_quietly() -> None:
         logger.debug("could not fork a spare rank process", exc_info=True)
 
 
-def _take() -> _Spare:
+def _take(worker: Any) -> _Spare:
     """The spare rank process (forked now if none waits), once the ranks that ended here
     before it and started CUDA are gone (their GPU memory freed; each within its grace)."""
     global _spare
@@ -434,8 +418,24 @@ def _take() -> _Spare:
         handle.process.join(handle.grace)
         handle.ended()
     if spare is None or spare.process.exitcode is not None:
-        spare = _fork()
+        spare = _fork_now(worker)
     return spare
+
+
+def _fork_now(worker: Any) -> _Spare:
+    """Fork the rank's process now; a template that went since the probe (its nanny's, which
+    it then starts again) is found again first."""
+    from . import _template
+
+    try:
+        return _fork()
+    except OSError:
+        if not _template.lost():
+            raise
+    from distributed.utils import sync
+
+    sync(worker.loop, _template.find, worker)
+    return _fork()
 
 
 def _end_later(handle: RankProcess) -> None:
@@ -775,10 +775,13 @@ class WorkerStandIn:
     ``Future``), connected to the scheduler with the worker's own security on first use.
     """
 
-    def __init__(self, address: str, name: Any, scheduler: str, security: Any) -> None:
+    def __init__(
+        self, address: str, name: Any, scheduler: str, security: Any, pid: int | None = None
+    ) -> None:
         import types
 
         self.address, self.name, self.security = address, name, security
+        self.pid = pid  # the worker's process (not the rank's parent: the template is)
         self.scheduler = types.SimpleNamespace(address=scheduler)
         self._client: Any = None
         self._lock = threading.Lock()
@@ -791,14 +794,17 @@ class WorkerStandIn:
         self.link.log_event(topic, msg)
 
     def __reduce__(self) -> tuple:
-        return (WorkerStandIn, (self.address, self.name, self.scheduler.address, self.security))
+        return (
+            WorkerStandIn,
+            (self.address, self.name, self.scheduler.address, self.security, self.pid),
+        )
 
     @classmethod
     def of(cls, worker: Any) -> WorkerStandIn:
         from .config import client_security
 
         security = client_security(worker.security, "worker")  # the worker's own certificate
-        return cls(worker.address, worker.name, worker.scheduler.address, security)
+        return cls(worker.address, worker.name, worker.scheduler.address, security, os.getpid())
 
     def _get_client(self, timeout: float | None = None) -> Any:
         with self._lock:
@@ -907,9 +913,12 @@ def _cuda_started() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def _rank_main(conn: Any, stacks: _Fd) -> None:
-    """A rank's process, forked from its worker's template ahead of its rank: it waits for
-    ``("go", payload, spec, worker, body)``, then runs the rank and says how it ended."""
+def _rank_main(conn: Any, stacks: _Fd, environ: dict[str, str]) -> None:
+    """A rank's process, forked from its worker's template ahead of its rank, with its
+    worker's environment: it waits for ``("go", payload, spec, worker, body)``, then runs
+    the rank and says how it ended."""
+    os.environ.clear()
+    os.environ.update(environ)
     os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
     from . import _process
 

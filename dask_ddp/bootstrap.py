@@ -256,9 +256,10 @@ async def probe_worker(
     # waiting. A fresh one imports torch (and starts its template) in threads.
     counted = _gpus[0] if _gpus else loop.run_in_executor(None, _gpu_count)
     if slot is PROCESS:  # the template the rank's process forks from, its imports beside
-        from . import _rankproc
+        from . import _rankproc, _template
 
         if not _rankproc.spare_waits():
+            await _template.find(dask_worker)
             await loop.run_in_executor(None, _rankproc.warm)
     gpus = counted if isinstance(counted, int) else await counted
     port = None
@@ -279,19 +280,20 @@ async def probe_worker(
 
 class TemplatePlugin:
     """Gets a worker ready for its ranks as it joins (registered by dask-ddp's scheduler
-    plugin through :class:`~dask_ddp._protocol.NamedWorkerPlugin`): a rank placed on a
-    worker that just joined (a restart's replacement, a grown job's new worker, a fresh
-    cluster's first job) waits for what is left of the template's imports, not for all of
-    them. A worker hosting lanes (:mod:`dask_ddp._lanes`) runs its ranks in threads."""
+    plugin through :class:`~dask_ddp._protocol.NamedWorkerPlugin`): it finds its nanny's
+    template (:func:`dask_ddp._template.find`) and forks a spare. A restart's replacement,
+    or a grown job's new worker, finds the template its nanny kept, its imports done; a
+    fresh cluster's first job waits for what is left of them, not for all. A worker hosting
+    lanes (:mod:`dask_ddp._lanes`) runs its ranks in threads."""
 
     def setup(self, worker: Any) -> None:
         from . import _rankproc
 
         if slot_for(worker) is PROCESS:
-            _rankproc.get_ready()
+            _rankproc.get_ready(worker)
 
     def teardown(self, worker: Any) -> None:
-        pass  # the template and the spare end with the worker's process
+        pass  # the spare ends with the worker (its pipe closes), the template with its own
 
 
 def drop_store(job_id: str, dask_worker: Any = None) -> bool:

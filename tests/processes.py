@@ -98,13 +98,14 @@ class DaskProcesses:
             with Client(self.address) as client:
                 client.wait_for_workers(n_workers, timeout=120)
 
-    def add_worker(self, worker_port: int | None = None) -> Output:
+    def add_worker(self, worker_port: int | None = None, *args: str) -> Output:
         """One more worker; ``worker_port`` fixes its port, as deployments often do (then a
-        worker its nanny restarts comes back at the same address)."""
+        worker its nanny restarts comes back at the same address); ``args`` go to
+        ``dask worker`` too (``--no-nanny``)."""
         port = [] if worker_port is None else ["--worker-port", str(worker_port)]
         return Output(
             [sys.executable, "-m", "dask", "worker", self.address, "--nthreads", "1",
-             "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0", *port],
+             "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0", *port, *args],
             self.env,
         )  # fmt: skip
 

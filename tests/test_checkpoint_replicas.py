@@ -13,7 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 
-import psutil
+import distributed
 import pytest
 import torch
 from distributed import Client, LocalCluster
@@ -65,8 +65,9 @@ def _train(
                 # gives up the checkpoint it still writes
                 torch.distributed.barrier()
         if kill_self and ctx.attempt == 0 and ctx.rank == 1 and step == 7:
-            # The rank's worker (its template's parent) dies, and the rank with it.
-            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            # The rank's worker dies (get_worker() in a rank: a stand-in that knows its pid), and
+            # the rank with it.
+            os.kill(distributed.get_worker().pid, signal.SIGKILL)
             time.sleep(60)
     return {
         "attempt": ctx.attempt,
@@ -232,8 +233,9 @@ def _unannounced(directory: str, go: str) -> dict:
         if pending is not None:
             pending.wait(60)
             Event(go).wait(60)
-            # The rank's worker (its template's parent) dies, and the rank with it.
-            os.kill(psutil.Process().parent().ppid(), signal.SIGKILL)
+            # The rank's worker dies (get_worker() in a rank: a stand-in that knows its pid), and
+            # the rank with it.
+            os.kill(distributed.get_worker().pid, signal.SIGKILL)
             time.sleep(60)
         torch.distributed.barrier()  # fails once rank 0 is gone
     return {"step": state["step"], "w": state["w"].sum().item()}

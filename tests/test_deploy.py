@@ -124,12 +124,13 @@ def _check_followed(job: dask_ddp.Job) -> None:
 
 # -- what the rendezvous exposes --------------------------------------------------------
 def _store_listens_on() -> list[str]:
-    """On rank 0: the addresses the job's store listens on (it is in rank 0's worker, the
-    parent of the rank's template)."""
+    """On rank 0: the addresses the job's store listens on (it is in rank 0's worker, whose
+    pid ``get_worker()`` knows in a rank's process)."""
     import psutil
+    from distributed import get_worker
 
     port = int(os.environ["MASTER_PORT"])
-    worker = psutil.Process(psutil.Process().parent().ppid())
+    worker = psutil.Process(get_worker().pid)
     return sorted(
         c.laddr.ip
         for c in worker.net_connections(kind="tcp")
