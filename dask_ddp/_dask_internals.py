@@ -59,6 +59,33 @@ def call_peer(worker: Any, address: str, handler: str, timeout: float | None, **
     return sync(worker.loop, call, callback_timeout=timeout)
 
 
+def on_worker_loop(worker: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run the coroutine function ``fn(*args)`` on ``worker``'s event loop from one of its
+    other threads, and wait for its result.
+
+    Private: ``distributed.utils.sync``.
+    """
+    from distributed.utils import sync
+
+    return sync(worker.loop, fn, *args)
+
+
+async def run_in_nanny(worker: Any, fn: Callable[..., Any]) -> Any:
+    """Run ``fn`` (a function taking ``dask_worker``: the nanny) in ``worker``'s nanny, as
+    ``Client.run(..., nanny=True)`` does, asked by the worker itself; its result. Raises
+    what it raised, or :class:`RuntimeError` with the nanny's error.
+
+    Private: ``Worker.rpc`` to the nanny's ``run`` handler, which takes the pickled
+    function.
+    """
+    from distributed.protocol import pickle
+
+    answer = await worker.rpc(worker.nanny).run(function=pickle.dumps(fn))
+    if answer.get("status") != "OK":
+        raise RuntimeError(f"{answer.get('exception')!r}")
+    return answer["result"]
+
+
 def call_peer_each(
     worker: Any,
     address: str,

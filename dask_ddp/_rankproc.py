@@ -76,14 +76,14 @@ __all__ = [
 ]
 
 
-def warm() -> None:
-    """Start this worker's template if it is not running, and fork a spare rank process
-    from it: the next rank then starts without waiting for the template's imports (1-3 s)
-    or for a fork (tens of milliseconds)."""
+def warm(worker: Any) -> None:
+    """(In a thread of ``worker``'s.) Start this worker's template if it is its own and not
+    running, and fork a spare rank process from it: the next rank then starts without
+    waiting for the template's imports (1-3 s) or for a fork (tens of milliseconds)."""
     from . import _template
 
     _template.start()
-    _refill()
+    _refill(worker)
 
 
 def dask_setup(worker: Any) -> None:
@@ -103,7 +103,7 @@ def get_ready(worker: Any) -> None:
 
     def ready() -> None:
         try:
-            warm()
+            warm(worker)
         except Exception:
             logger.debug("the rank template did not start ahead of the rank", exc_info=True)
 
@@ -359,6 +359,7 @@ def _fork() -> _Spare:
     finally:
         rank_end.close()
         os.close(stacks_w)
+    groups_alive()  # (the ones gone forgotten)
     with _spares_lock:
         _groups.add(process.pid)  # it leads a group of its own (_rank_main)
     return _Spare(process, task_end, stacks_r)
@@ -372,9 +373,7 @@ def groups_alive() -> set[int]:
         for group in list(_groups):
             try:
                 os.killpg(group, 0)
-            except ProcessLookupError:
-                _groups.discard(group)
-            except PermissionError:  # a new group of another user's took the number
+            except (ProcessLookupError, PermissionError):  # (another user's took the number)
                 _groups.discard(group)
         return set(_groups)
 
@@ -386,15 +385,16 @@ def spare_waits() -> bool:
     return spare is not None and spare.process.exitcode is None
 
 
-def _refill() -> None:
+def _refill(worker: Any = None) -> None:
     """Fork this worker's spare rank process, unless one waits already (or is being forked:
-    the worker plugin and a first probe both ask for one on a fresh worker)."""
+    the worker plugin and a first probe both ask for one on a fresh worker); given the
+    ``worker`` (from one of its threads), its template is found again if it went."""
     global _spare
     with _refill_lock:
         with _spares_lock:
             if _spare is not None and _spare.process.exitcode is None:
                 return
-        spare = _fork()
+        spare = _fork() if worker is None else _fork_now(worker)
         with _spares_lock:
             _spare = spare
 
@@ -432,9 +432,9 @@ def _fork_now(worker: Any) -> _Spare:
     except OSError:
         if not _template.lost():
             raise
-    from distributed.utils import sync
+    from . import _dask_internals
 
-    sync(worker.loop, _template.find, worker)
+    _dask_internals.on_worker_loop(worker, _template.find, worker)
     return _fork()
 
 
@@ -769,7 +769,8 @@ class RankLink:
 
 class WorkerStandIn:
     """What ``distributed.get_worker()`` returns in a rank's own process: the rank's worker
-    as far as user code needs one: its ``address``, ``name``, ``scheduler.address``,
+    as far as user code needs one: its ``address``, ``name``, ``pid`` (the worker's
+    process: the rank's parent is its template), ``scheduler.address``,
     ``log_event`` (sent by the worker, in order with the rank's records), and a client
     (``get_client()``, and Dask objects unpickled in the rank: ``Event``, ``Variable``,
     ``Future``), connected to the scheduler with the worker's own security on first use.

@@ -144,7 +144,8 @@ class _Nanny(forkserver.ForkServer):
 
     def __init__(self, address: str, pid: int) -> None:
         super().__init__()
-        self._forkserver_address, self.pid = address, pid
+        self.address, self.pid = address, pid
+        self._forkserver_address = address
         # Handed to each rank's process as multiprocessing hands a forkserver's "alive" end
         # (the rank's own forkserver context, if it uses one, starts its own).
         self._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
@@ -191,19 +192,21 @@ async def find(worker: Any) -> None:
     global _here
     if worker.nanny is None or (isinstance(_here, _Nanny) and _here.alive()):
         return
-    from distributed.protocol import pickle
+    from . import _dask_internals
 
+    if isinstance(_here, _Nanny):
+        logger.info("dask-ddp: worker %s asks its nanny for its rank template again: the "
+                    "one at %s is gone", worker.address, _here.address)  # fmt: skip
     try:
-        answer = await worker.rpc(worker.nanny).run(function=pickle.dumps(_hold_for_nanny))
+        address, pid = await _dask_internals.run_in_nanny(worker, _hold_for_nanny)
     except Exception as exc:  # the worker's own template does as well
-        answer = {"status": "error", "exception": exc}
-    if answer.get("status") != "OK":
         logger.info(
             "dask-ddp: worker %s starts its own rank template: its nanny %s could not hold "
-            "one (%s)", worker.address, worker.nanny, answer.get("exception"),
+            "one (%s)", worker.address, worker.nanny, exc,
         )  # fmt: skip
+        _here = _own
         return
-    _here = _Nanny(*answer["result"])
+    _here = _Nanny(address, pid)
 
 
 async def _hold_for_nanny(dask_worker: Any) -> tuple[str, int]:
@@ -214,7 +217,9 @@ async def _hold_for_nanny(dask_worker: Any) -> tuple[str, int]:
     nanny = dask_worker
     if NANNY_PLUGIN not in nanny.plugins:
         await nanny.plugin_add(plugin=_NannyHold(), name=NANNY_PLUGIN)
-    return await asyncio.get_running_loop().run_in_executor(None, _own.address)
+    address, pid = await asyncio.get_running_loop().run_in_executor(None, _own.address)
+    logger.debug("dask-ddp: nanny %s holds the rank template %d at %s", nanny.address, pid, address)
+    return address, pid
 
 
 class _NannyHold(NannyPlugin):

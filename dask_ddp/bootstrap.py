@@ -260,7 +260,7 @@ async def probe_worker(
 
         if not _rankproc.spare_waits():
             await _template.find(dask_worker)
-            await loop.run_in_executor(None, _rankproc.warm)
+            await loop.run_in_executor(None, _rankproc.warm, dask_worker)
     gpus = counted if isinstance(counted, int) else await counted
     port = None
     if dask_worker.address == store_worker:
