@@ -89,6 +89,9 @@ class _Own(forkserver.ForkServer):
         super().__init__()
         self.set_forkserver_preload(PRELOAD)
         self.holders = 0  # the nannies in this process that hold it for their workers
+        # A hold, a release (the last one stops it) and an address given out never cross:
+        # an address read as the last holder let go would be one that no longer forks.
+        self._holding = threading.Lock()
 
     def ensure_running(self) -> None:
         # multiprocessing's own check fails where this process reaped it elsewhere (psutil)
@@ -113,8 +116,21 @@ class _Own(forkserver.ForkServer):
 
     def address(self) -> tuple[str, int]:
         """The template's address and pid (started now if it is not running)."""
-        self.ensure_running()
-        return self._forkserver_address, self._forkserver_pid  # type: ignore[attr-defined]
+        with self._holding:
+            self.ensure_running()
+            return self._forkserver_address, self._forkserver_pid  # type: ignore[attr-defined]
+
+    def hold(self) -> None:
+        """A nanny in this process holds it for its workers."""
+        with self._holding:
+            self.holders += 1
+
+    def release(self) -> None:
+        """A nanny lets it go: the last one stops it."""
+        with self._holding:
+            self.holders -= 1
+            if self.holders == 0:
+                self.stop()
 
     def stop(self) -> None:
         """Let the template go: it exits once no process can ask it for a fork (closing
@@ -227,15 +243,10 @@ class _NannyHold(NannyPlugin):
     the process that holds it closes."""
 
     def setup(self, nanny: Any) -> None:
-        with _own._lock:  # type: ignore[attr-defined]
-            _own.holders += 1
+        _own.hold()
 
     def teardown(self, nanny: Any) -> None:
-        with _own._lock:  # type: ignore[attr-defined]
-            _own.holders -= 1
-            last = _own.holders == 0
-        if last:
-            _own.stop()
+        _own.release()
 
 
 class _Popen(popen_forkserver.Popen):

@@ -477,3 +477,36 @@ def test_a_worker_without_a_nanny_forks_from_a_template_of_its_own() -> None:
         assert psutil.Process(template).ppid() == worker
     finally:
         cluster.close()
+
+
+def test_a_template_given_out_is_never_stopped_while_held() -> None:
+    # The nannies of a process hold its template; the last to let go stops it. A nanny that
+    # took hold while the last one was letting go must get a template that forks, not the
+    # one being stopped (the suite met "Connection refused" in a probe once). The stop is
+    # slowed here, so that the second nanny comes in the middle of it.
+    import threading
+
+    from dask_ddp import _template
+
+    stopping = threading.Event()
+
+    class SlowToStop(_template._Own):
+        def stop(self) -> None:
+            stopping.set()
+            time.sleep(0.3)  # the other nanny takes hold and asks for the address meanwhile
+            super().stop()
+
+    template = SlowToStop()
+    template.set_forkserver_preload([])  # starts in milliseconds
+    template.hold()
+    first, _ = template.address()
+    letting_go = threading.Thread(target=template.release)
+    letting_go.start()
+    stopping.wait(10)
+    template.hold()
+    given, _ = template.address()
+    letting_go.join()
+    try:
+        assert given != first and os.path.exists(given)
+    finally:
+        template.release()
