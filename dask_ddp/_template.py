@@ -51,7 +51,7 @@ from . import _malloc, _process
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PRELOAD", "TEMPLATE_MARK", "TemplateProcess", "find", "lost", "start"]
+__all__ = ["PRELOAD", "TEMPLATE_MARK", "TemplateProcess", "find", "lost", "start", "start_here"]
 
 #: Modules the template imports once, so that a rank's process starts with them. Measured
 #: in a process forked from a template without them: ``dask_ddp.data._collection_shard``
@@ -193,6 +193,12 @@ def start() -> None:
     """Start this worker's template if it is its own and not running; its imports go on in
     its own process (the first fork from it waits for them)."""
     _here.ensure_running()
+
+
+def start_here() -> None:
+    """Start this process's own template now, for the nannies it is about to start (the
+    command line's LocalCluster), its imports beside their workers' start."""
+    _own.address()
 
 
 def lost() -> bool:

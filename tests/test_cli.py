@@ -133,6 +133,26 @@ def test_exits_promptly_after_success_leaving_nothing(tmp_path: Path) -> None:
     _assert_group_empty(pgid)
 
 
+WHERE_FORKED = """\
+import os, psutil
+print("FORKED-FROM", os.getppid(), psutil.Process(os.getppid()).ppid(), flush=True)
+"""
+
+
+def test_the_command_s_ranks_fork_from_one_template_in_the_command_s_process(
+    tmp_path: Path,
+) -> None:
+    # The command's own cluster's nannies are in its process: they hold one template for
+    # both workers, started before the cluster (its imports beside the workers' start).
+    script = tmp_path / "where.py"
+    script.write_text(WHERE_FORKED)
+    done, _, command = _cli(str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    forked = re.findall(r"FORKED-FROM (\d+) (\d+)", done.stdout)
+    assert len(forked) == 2 and len(set(forked)) == 1, done.stdout
+    assert int(forked[0][1]) == command
+
+
 @pytest.mark.slow
 def test_exits_promptly_after_a_failure_with_a_stuck_peer(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
