@@ -680,12 +680,12 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
     importing = _import_dispatch()
     from distributed import Client, LocalCluster
 
-    from . import _template
+    from ._protocol import call
 
     # The cluster's nannies are in this process, and hold its rank template for their
     # workers: started now, its imports (torch's, 2-3 s of CPU) run beside the workers'
-    # start instead of after it.
-    _template.start_here()
+    # start instead of after it (by name: the nannies' side, not the command line's).
+    call("dask_ddp._template:start_here")
     scratch = tempfile.mkdtemp(prefix="dask-ddp-")
     code = 1
     try:

@@ -36,6 +36,7 @@ every rank's process inherits instead of working out again:
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import io
 import logging
@@ -294,7 +295,30 @@ class TemplateProcess(process.BaseProcess):
         return _Popen(process_obj)
 
 
+def _outlive_vanished_clients() -> None:
+    """A worker killed between connecting to its template and sending its request ended
+    multiprocessing's forkserver (``recvfds`` raises ``EOFError`` out of its loop), and with
+    a nanny's template, every worker's in that process: the request is dropped as the loop
+    drops an aborted connection. Each fork gets multiprocessing's own back."""
+    from multiprocessing import reduction
+
+    receive = reduction.recvfds
+
+    def recvfds(sock: Any, size: int) -> list[int]:
+        try:
+            return receive(sock, size)
+        except (EOFError, ConnectionError, RuntimeError) as exc:
+            raise ConnectionAbortedError(errno.ECONNABORTED, "a request cut off") from exc
+
+    def restore() -> None:
+        reduction.recvfds = receive
+
+    reduction.recvfds = recvfds
+    os.register_at_fork(after_in_child=restore)
+
+
 def _prepare() -> None:
+    _outlive_vanished_clients()
     os.register_at_fork(before=gc.freeze)
     # The rest only saves each rank some time: a failure must not stop the template (an
     # exception from a preload other than ImportError ends multiprocessing's forkserver).

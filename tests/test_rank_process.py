@@ -510,3 +510,27 @@ def test_a_template_given_out_is_never_stopped_while_held() -> None:
         assert given != first and os.path.exists(given)
     finally:
         template.release()
+
+
+def test_a_worker_killed_mid_request_leaves_the_template_forking(monkeypatch) -> None:
+    # A nanny's template serves every worker in its process: one killed between connecting
+    # and sending its request (the suite's worker kills met it twice) ended multiprocessing's
+    # forkserver loop (EOFError), and the other workers' next forks were refused.
+    import socket
+
+    from dask_ddp import _template
+
+    template = _template._Own()
+    template.set_forkserver_preload(["dask_ddp._template"])  # its own set-up, no more
+    address, pid = template.address()
+    monkeypatch.setattr(_template, "_here", template)  # what this process forks from
+    try:
+        with socket.socket(socket.AF_UNIX) as cut_off:
+            cut_off.connect(address)  # and gone, as a killed worker's
+        process = _template.TemplateProcess(target=os.getpid)  # served after the cut-off
+        process.start()
+        process.join(120)
+        assert process.exitcode == 0
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # still there
+    finally:
+        template.stop()
