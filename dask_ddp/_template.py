@@ -10,15 +10,17 @@ asks, and stops it when the last of those nannies closes. A worker that is lost 
 replaced finds it still there, its imports done (torch's and dynamo's: 2-3 s of CPU): the
 replacement's first rank forks at once instead of waiting for them, and a cluster of N
 workers imports torch into one template instead of N. A worker without a nanny, or whose
-nanny cannot be asked, keeps a template of its own, started on first use, as does one
-whose nanny's template has gone. Each rank's process takes its worker's environment
-(``_rankproc``), whichever process its template belongs to.
+nanny cannot be asked, keeps a template of its own, started on first use; one whose
+nanny's template has gone asks again (the nanny starts another). Each rank's process
+takes its worker's environment (``_rankproc``), whichever process its template belongs
+to.
 
 **Its own set-up.** Run once, before the template forks its first rank's process, by the
 template that imports this module (the last of :data:`PRELOAD`) with :data:`TEMPLATE_MARK`
 in its environment (the mark goes, so its ranks do not inherit it). Any other process that
 imports it (a worker, the suite's doctests) is left as it was. What it works out here,
-every rank's process inherits instead of working out again:
+every rank's process inherits instead of working out again (and, first, it drops a request
+that a killed worker cut off, which ended multiprocessing's loop):
 
 - the C library's handle (``find_library`` runs ``ldconfig`` in a child process) and the
   machine's network addresses (gloo's interface is chosen from them; 0.6 ms);
