@@ -163,8 +163,7 @@ class _Nanny(forkserver.ForkServer):
 
     def __init__(self, address: str, pid: int) -> None:
         super().__init__()
-        self.address, self.pid = address, pid
-        self._forkserver_address = address
+        self._forkserver_address, self.pid = address, pid
         # Handed to each rank's process as multiprocessing hands a forkserver's "alive" end
         # (the rank's own forkserver context, if it uses one, starts its own).
         self._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
@@ -175,7 +174,7 @@ class _Nanny(forkserver.ForkServer):
             os.close(self._forkserver_alive_fd)
 
     def ensure_running(self) -> None:
-        resource_tracker.ensure_running()  # its pid is handed to the rank as multiprocessing's is
+        resource_tracker.ensure_running()  # its fd goes to each rank, as multiprocessing's does
 
     def alive(self) -> bool:
         """Whether it can still fork (as far as this worker can tell)."""
@@ -221,7 +220,7 @@ async def find(worker: Any) -> None:
 
     if isinstance(_here, _Nanny):
         logger.info("dask-ddp: worker %s asks its nanny for its rank template again: the "
-                    "one at %s is gone", worker.address, _here.address)  # fmt: skip
+                    "one at %s is gone", worker.address, _here._forkserver_address)  # fmt: skip
     try:
         address, pid = await _dask_internals.run_in_nanny(worker, _hold_for_nanny)
     except Exception as exc:  # the worker's own template does as well
@@ -302,8 +301,6 @@ def _outlive_vanished_clients() -> None:
     multiprocessing's forkserver (``recvfds`` raises ``EOFError`` out of its loop), and with
     a nanny's template, every worker's in that process: the request is dropped as the loop
     drops an aborted connection. Each fork gets multiprocessing's own back."""
-    from multiprocessing import reduction
-
     receive = reduction.recvfds
 
     def recvfds(sock: Any, size: int) -> list[int]:
