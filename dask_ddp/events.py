@@ -197,6 +197,7 @@ class RankChannel:
         # The sending loop waits on it for what put(), put_status() and close() change.
         self._changed = threading.Condition(self._lock)
         self._buffer: list[tuple[str, list[Any]]] = []
+        self._buffer_since = 0.0  # monotonic time the buffer's first message was put
         self._urgent = False  # the buffer fills an event, or holds an urgent message
         self._full = max(64, self._budget // 32)  # records that fill an event, roughly
         self._closed = False  # nothing more is put
@@ -240,6 +241,8 @@ class RankChannel:
                 raise NotInRankError(caller)
             self._buffer.append((kind, body))
             n = len(self._buffer)
+            if n == 1:
+                self._buffer_since = time.monotonic()
             if n == self._full or urgent:
                 self._urgent = True
             if n == 1 or self._urgent:
@@ -362,15 +365,21 @@ class RankChannel:
                 return
             busy = sent * self._idle_interval > 2 * (now - last)
             gap = self._interval if busy else self._idle_interval
-            last = now
+            # The next flush is a gap after this one was due, not after the thread woke
+            # for it: counted from the wake-up, each flush of a rank reporting once an
+            # interval came a wake-up later than the one before (a training loop holds
+            # the GIL: up to 5 ms), until its records waited most of an interval.
+            last = now if due == -float("inf") else due
 
     def _due(self, next_flush: float) -> float | None:
         """When the loop sends next (None: nothing to send): at once when urgent; records
-        at the next flush; a status alone once it waited ``idle_interval`` too."""
+        at the next flush, or when the first of them was put if that is later (the flush
+        is due then: the next one counts from there); a status alone once it waited
+        ``idle_interval`` too."""
         if self._urgent:
             return -float("inf")
         if self._buffer:
-            return next_flush
+            return max(next_flush, self._buffer_since)
         if self._status is not None:
             return max(next_flush, self._status_since + self._idle_interval)
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -151,10 +152,12 @@ class _Sink:
 
     def __init__(self) -> None:
         self.logged: list[dict[str, Any]] = []
+        self.times: list[float] = []  # time.time() of each event logged
         self.changed = threading.Condition()
 
     def log_event(self, topic: str, msg: dict[str, Any]) -> None:
         with self.changed:
+            self.times.append(time.time())
             self.logged.append(msg)
             self.changed.notify_all()
 
@@ -208,3 +211,27 @@ def test_a_rank_reporting_a_few_times_a_second_sends_each_record_at_once() -> No
         time.sleep(0.001)
     assert len(sink.logged) - before <= 3
     assert channel.close() is None
+
+
+def test_a_rank_reporting_once_an_interval_sends_each_record_at_once() -> None:
+    # A rank that reports exactly once an interval (a loss every 50 ms, the default) is
+    # idle: each record goes at once. The next flush counts from when the last was due:
+    # counted from when the sending thread woke for it (a training loop holds the GIL, so
+    # up to 5 ms late), each flush came a wake-up later than the one before, and the
+    # records waited longer and longer, up to an interval (22 ms of a 28 ms median delay).
+    sink = _Sink()
+    interval = 0.05
+    channel = events.RankChannel(sink, "3f2a", 0, interval=interval, max_event_bytes=65536)
+    put = []
+    next_at = time.monotonic()
+    for step in range(40):  # spinning to each deadline, as a training loop's steps come
+        while time.monotonic() < next_at:
+            pass
+        next_at += interval
+        channel.put(_protocol.METRICS, [step, time.time(), {"loss": 1.0}])
+        put.append(time.time())
+    assert channel.close() is None
+    sent = [(e["told"]["last"][0], e["told"]["last"][1]) for e in sink.logged]
+    waited = [sink.times[i] - put[step] for i, (step, _) in enumerate(sent) if step < 39]
+    assert len(sent) >= 39, "records were batched"
+    assert statistics.median(waited) < interval / 3, waited
