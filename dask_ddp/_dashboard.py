@@ -4,7 +4,8 @@ On the dashboard's HTTP server (the port of ``/status``, under its prefix):
 
 - ``/ddp/``: the jobs on the cluster (running, finished, failed; who launched them);
 - ``/ddp/jobs/<id>``: one job, drawn as the notebook draws it (:func:`dask_ddp.view.render_html`),
-  refreshed every second while it runs;
+  redrawn while it runs as soon as something it shows changes (a long poll: the page asks
+  for the next change, the server answers when there is one, within a second either way);
 - ``/ddp/api/jobs`` and ``/ddp/api/jobs/<id>``: the same as JSON;
 - gauges on the scheduler's Prometheus ``/metrics`` (``dask_ddp_*``).
 
@@ -16,10 +17,13 @@ so it shows a job whoever launched it, and whether or not that client is still t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import html
 import json
 import logging
 import threading
+import time
 import weakref
 from typing import Any, Protocol
 
@@ -36,9 +40,62 @@ class Holder(Protocol):
     scheduler: Any  # distributed.Scheduler
     jobs: dict[str, Any]  # job id -> its supervisor (summary(), in launch order)
     max_jobs: int
+    changes: Changes  # bumped by the supervisors when what the pages show changes
 
 
 logger = logging.getLogger(__name__)
+
+_WAIT = 1.0  # the longest a page's request waits for a change (the elapsed time ticks on)
+_GAP = 0.02  # pages are woken at most this often: at once after a quiet spell, in batches
+# under a stream of changes (a job's ranks each tell the supervisor every event flush)
+
+
+class Changes:
+    """A count of changes to what the pages show, and the pages' requests waiting for the
+    next one: a long poll, paced. The first change after a quiet spell wakes them at once;
+    changes that follow within ``gap`` of a wake are woken together, ``gap`` after it (the
+    reverse of Nagle's algorithm: no delay when idle, batches only under load). On the
+    scheduler's event loop.
+
+    >>> changes = Changes()
+    >>> changes.count
+    0
+    """
+
+    def __init__(self, gap: float = _GAP) -> None:
+        self.count = 0
+        self._gap = gap
+        self._woken = -gap  # time.monotonic() of the last wake
+        self._due: asyncio.TimerHandle | None = None
+        self._waiters: asyncio.Future[None] | None = None
+
+    def bump(self) -> None:
+        """Something the pages show changed (on the scheduler's loop)."""
+        self.count += 1
+        if self._waiters is None or self._due is not None:
+            return  # no page waits, or a wake is already due and will show this too
+        wait = self._woken + self._gap - time.monotonic()
+        if wait <= 0:
+            self._wake()
+        else:
+            self._due = asyncio.get_running_loop().call_later(wait, self._wake)
+
+    def _wake(self) -> None:
+        self._due = None
+        self._woken = time.monotonic()
+        waiters, self._waiters = self._waiters, None
+        if waiters is not None and not waiters.done():
+            waiters.set_result(None)
+
+    async def after(self, seen: int, timeout: float = _WAIT) -> int:
+        """Return the count once it is past ``seen``, or after ``timeout`` seconds."""
+        if self.count > seen:
+            return self.count
+        if self._waiters is None:
+            self._waiters = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._waiters), timeout)
+        return self.count
 
 
 # -- the rows of the list --------------------------------------------------------------
@@ -87,15 +144,20 @@ a { color: inherit; }
 """
 
 
-def _page(title: str, body: str, refresh: str | None = None) -> str:
+def _page(title: str, body: str, refresh: str | None = None, seen: int = 0) -> str:
     script = ""
-    if refresh is not None:  # refresh the part that changes while the job runs
+    if refresh is not None:
+        # Redraw the part that changes while the job runs: ask for it once it changed past
+        # what this page shows (the server holds the request until then, or a second), and
+        # again at once; after an error, a second later.
         script = (
-            "<script>const part=document.getElementById('live');"
-            f"async function tick(){{const r=await fetch({json.dumps(refresh)});"
-            "if(r.ok){part.innerHTML=await r.text();}"
-            "if(!part.querySelector('[data-final]')){setTimeout(tick,1000);}}"
-            "setTimeout(tick,1000);</script>"
+            f"<script>const part=document.getElementById('live');let seen={seen};"
+            "const pause=()=>new Promise(w=>setTimeout(w,1000));"
+            f"async function tick(){{try{{const r=await fetch({json.dumps(refresh)}+'?seen='+seen);"
+            "if(r.ok){seen=Number(r.headers.get('X-DDP-Seen'))||seen;"
+            "part.innerHTML=await r.text();}else{await pause();}}catch(e){await pause();}"
+            "if(!part.querySelector('[data-final]')){tick();}}"
+            "tick();</script>"
         )
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
@@ -159,29 +221,50 @@ class _Handler(web.RequestHandler):
             f"than the last {self.plugin.max_jobs} jobs the scheduler keeps."
         )
 
+    async def _changed(self) -> int:
+        """Wait for a change past the request's ``seen`` (none: answer now), and say the
+        count in ``X-DDP-Seen`` for the page's next request."""
+        seen = self.get_argument("seen", None)
+        changes = self.plugin.changes
+        count = changes.count if seen is None else await changes.after(_int(seen))
+        self.set_header("X-DDP-Seen", str(count))
+        self.set_header("Cache-Control", "no-store")
+        return count
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise web.HTTPError(400, f"seen={text!r}: not a number") from None
+
 
 class _ListPage(_Handler):
     def get(self) -> None:
-        self.write(_page("dask-ddp jobs", list_html(self.plugin), "list"))
+        seen = self.plugin.changes.count
+        self.write(_page("dask-ddp jobs", list_html(self.plugin), "list", seen))
 
 
 class _ListPart(_Handler):
-    def get(self) -> None:
+    async def get(self) -> None:
+        await self._changed()
         self.write(list_html(self.plugin))
 
 
 class _JobPage(_Handler):
     def get(self, job_id: str) -> None:
+        seen = self.plugin.changes.count
         job = self._job(job_id)
         if job is None:
             self.write(_page("no such job", f"<p>{html.escape(self._missing(job_id))}</p>"))
             return
         url = f"{job_id}/view"  # relative to /ddp/jobs/<id>, as every link here
-        self.write(_page(f"dask-ddp job {job_id}", _job_html(job), url))
+        self.write(_page(f"dask-ddp job {job_id}", _job_html(job), url, seen))
 
 
 class _JobPart(_Handler):
-    def get(self, job_id: str) -> None:
+    async def get(self, job_id: str) -> None:
+        await self._changed()
         job = self._job(job_id)
         self.write(
             f"<p data-final='1'>{html.escape(self._missing(job_id))}</p>"

@@ -27,7 +27,11 @@ from ._types import CheckpointInfo, JobState, MetricRecord, OutputLine, Transiti
 
 logger = logging.getLogger(__name__)
 
-_VIEW_PERIOD = 0.25  # seconds between live-view refreshes while records stream in
+# The live views are redrawn at once after a quiet spell, and in batches under a stream of
+# records: at most every _VIEW_GAP seconds, and at most a _VIEW_SHARE of the client's loop
+# (a redraw that took d seconds waits d / _VIEW_SHARE before the next one).
+_VIEW_GAP = 0.02
+_VIEW_SHARE = 0.1
 _OUTPUT_LINES = 10_000  # printed lines kept in Job.output (the oldest go first)
 _VIEW_LINES = 8  # printed lines the live view shows
 
@@ -69,11 +73,11 @@ class JobModel:
         self.results: dict[str, collections.deque[tuple[int, str, Any]]] = {}
         self.progress = Progress()
         self._own_notes: list[str] = []  # what this client noticed (a callback failed, ...)
-        # The views, refreshed at most every _VIEW_PERIOD on the client's loop.
+        # The views, redrawn on the client's loop (_VIEW_GAP, _VIEW_SHARE).
         self.views: list[Any] = []
         self.schedule: Callable[[float, Callable[[], None]], Any] | None = None
         self._view_due = False
-        self._last_view = 0.0
+        self._next_view = 0.0  # time.monotonic() before which no redraw is due
 
     @property
     def notes(self) -> list[str]:
@@ -189,12 +193,11 @@ class JobModel:
 
     # -- views ------------------------------------------------------------------------
     def mark_views(self) -> None:
-        """A change the views should show, at most every quarter second."""
+        """A change the views should show: at once if they are not drawn too often."""
         if not self.views or self._view_due or self.schedule is None:
             return
         self._view_due = True
-        delay = max(0.0, self._last_view + _VIEW_PERIOD - time.monotonic())
-        self.schedule(delay, self.refresh_views)
+        self.schedule(max(0.0, self._next_view - time.monotonic()), self.refresh_views)
 
     def refresh_views(self) -> None:
         """Redraw the views now. They are drawn in an empty context: the client's event
@@ -205,18 +208,17 @@ class JobModel:
 
     def _refresh_views(self) -> None:
         self._view_due = False
-        self._last_view = time.monotonic()
         if not self.views:
             return
+        began = time.monotonic()
         state = self.snapshot()
         for shown in list(self.views):
             try:
-                again = shown.update(state)
+                shown.update(state)
             except Exception:  # a closed notebook must not stop the job's reader
                 logger.debug("job %s: live view update failed", self.job_id, exc_info=True)
-                continue
-            if again is not None and self.schedule is not None:  # skipped: call it later
-                self.schedule(again, self.refresh_views)
+        took = time.monotonic() - began
+        self._next_view = began + max(_VIEW_GAP, took / _VIEW_SHARE)
 
     def snapshot(self) -> dict[str, Any]:
         """The state the views draw (see :meth:`dask_ddp.Job.view_state`)."""

@@ -78,6 +78,7 @@ class DaskDDPPlugin(SchedulerPlugin):
     def __init__(self, max_jobs: int | None = None, pages: bool | None = None) -> None:
         self.max_jobs = int(max_jobs or _config.get("ddp.dashboard.max-jobs"))
         self.pages = bool(_config.get("ddp.dashboard.enabled") if pages is None else pages)
+        self.changes = _dashboard.Changes()  # what the /ddp/ pages show, changing
         self.jobs: dict[str, Supervisor] = {}  # in launch order
         self.gpus: dict[str, Any] = {}  # worker -> (GPU count, CUDA_VISIBLE_DEVICES)
         self.scheduler: Any = None

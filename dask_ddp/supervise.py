@@ -65,6 +65,7 @@ class Host(Protocol):
     client: Any  # the plugin's own asynchronous distributed.Client
     pool: Any  # its dask_ddp._pool.WorkerPool
     gpus: dict[str, Any]  # worker -> (GPU count, CUDA_VISIBLE_DEVICES), probed once
+    changes: Any  # its dask_ddp._dashboard.Changes: the pages wait on it
 
     def watch_keys(self, job: Supervisor, keys: list[Any]) -> None: ...
 
@@ -207,6 +208,7 @@ class Supervisor:
         if not 0 <= rank < len(a.workers):
             return
         self._progress_at, self._stacks = time.monotonic(), None
+        self.plugin.changes.bump()  # the pages show the ranks' progress as it comes
         if self.life.stalled:
             self.feed(lc.Progressed(a.number))
         if msg.get("told"):
@@ -767,6 +769,7 @@ class Supervisor:
             self._soon = None
         self._version += 1
         self.plugin.scheduler.log_event(self.topic, self.public_state())
+        self.plugin.changes.bump()
 
     def _publish_soon(self) -> None:
         """:meth:`_publish` within ``ddp.event-flush-interval``, once for everything that

@@ -7,6 +7,7 @@ import contextlib
 import html
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -232,8 +233,10 @@ def _chromium() -> str | None:
 @pytest.mark.slow
 @pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium package")
 def test_the_page_in_a_real_browser(client: Client, paused_job: dask_ddp.Job, tmp_path: Path):
-    """Headless Chromium loads the job's page while the job runs; the screenshot and the
-    DOM it drew are saved under artifacts/."""
+    """Headless Chromium loads the job's page while the job runs (the screenshot), then
+    follows it live: its script's long poll redraws the page as the ranks go on, until the
+    job ends and the script stops asking (then the browser's clock runs out and it hands
+    over the DOM it drew). The screenshot and the DOM are saved under artifacts/."""
     job = paused_job
     assert _until(lambda: (j := _job_json(client, job.job_id)) and j["ranks"][0]["step"] == 9)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -241,17 +244,28 @@ def test_the_page_in_a_real_browser(client: Client, paused_job: dask_ddp.Job, tm
     shot.unlink(missing_ok=True)
     url = _base(client) + f"jobs/{job.job_id}"
     common = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000"]  # fmt: skip
-    subprocess.run(
+              f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    subprocess.run(  # at the page's load: as the server drew it
         [*common, f"--screenshot={shot}", "--window-size=1000,700", url],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    dom = subprocess.run(
-        [*common, "--dump-dom", url], check=True, capture_output=True, text=True, timeout=120
-    ).stdout
-    (ARTIFACTS / "dashboard-job.html").write_text(dom)
     assert shot.stat().st_size > 5000  # a PNG with something drawn
-    assert f"dask_ddp job {job.job_id}" in dom and "<svg" in dom and "step 9" in dom
+    # The browser's clock stands still while a request is out: it dumps the DOM only once
+    # the script stopped asking, which it does when the page shows the job's end.
+    browser = subprocess.Popen(
+        [*common, "--virtual-time-budget=3000", "--dump-dom", url],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(2)  # the page loaded, its first request waits for a change
+        assert browser.poll() is None, "the browser stopped while the job was paused"
+        Event("dask-ddp-test-dashboard-go", client=client).set()
+        dom, _ = browser.communicate(timeout=120)
+    finally:
+        browser.kill()
+    (ARTIFACTS / "dashboard-job.html").write_text(dom)
+    assert f"dask_ddp job {job.job_id}" in dom and "<svg" in dom
+    assert "step 19" in dom and "succeeded" in dom and "data-final" in dom, dom[-2000:]
 
 
 @pytest.mark.slow
@@ -402,3 +416,87 @@ def paused_job_on_own(own_cluster) -> Iterator[dask_ddp.Job]:
         finally:
             go.set()
             job.result(timeout=120)
+
+
+def test_pages_waiting_for_a_change_are_woken_at_once_then_in_batches() -> None:
+    """The pages' long poll (`_dashboard.Changes`), as random sequences of changes and
+    waiting requests: a request whose page shows less than there is answers at once; one
+    that waits answers at the next change, at once after a quiet spell of `gap` and no
+    later than `gap` after the last wake under a stream of changes; with no change it
+    answers after its timeout with nothing new."""
+    import asyncio
+    import random
+    import statistics
+
+    from dask_ddp._dashboard import Changes
+
+    gap = 0.05
+
+    async def rounds() -> None:
+        rng = random.Random(44)
+        changes = Changes(gap)
+        woken: list[float] = []
+        at_once: list[float] = []
+        batched: list[float] = []
+        for _ in range(60):
+            seen = changes.count
+            if rng.random() < 0.2:  # behind: answered at once
+                assert await changes.after(seen - 1, timeout=5) == seen
+                continue
+            waiting = [asyncio.ensure_future(changes.after(seen, timeout=5)) for _ in range(2)]
+            await asyncio.sleep(rng.choice([0, 0.001, 0.02, 0.06]))
+            began = time.monotonic()
+            for _ in range(rng.randint(1, 3)):  # a burst of changes
+                changes.bump()
+            counts = await asyncio.gather(*waiting)
+            now = time.monotonic()
+            assert counts[0] == counts[1] and counts[0] > seen  # every waiter, the news
+            quiet = not woken or began - woken[-1] >= gap
+            due = began if quiet else woken[-1] + gap
+            assert now >= due - 0.001  # never sooner than `gap` after the last wake
+            assert now - due < 1  # and then soon (not at the timeout)
+            (at_once if quiet else batched).append(now - due)
+            woken.append(now)
+        # After a quiet spell, at once; in a stream, at `gap` after the last wake (medians:
+        # a loaded machine delays single wakes, not most of them).
+        assert at_once and statistics.median(at_once) < gap / 2, at_once
+        assert batched and statistics.median(batched) < gap / 2, batched
+        seen = changes.count
+        began = time.monotonic()
+        assert await changes.after(seen, timeout=0.2) == seen  # nothing new: the timeout
+        assert time.monotonic() - began >= 0.2
+
+    asyncio.run(rounds())
+
+
+def test_the_page_s_request_waits_for_the_job_s_next_change(
+    client: Client, paused_job: dask_ddp.Job
+) -> None:
+    """`/ddp/jobs/<id>/view?seen=N` (what the page asks, N from its last answer's
+    `X-DDP-Seen`) is held while nothing changes, and answered with the change when the
+    ranks report: the page shows a step as it comes, not at its next second."""
+    import concurrent.futures
+
+    job = paused_job
+    assert _until(lambda: (j := _job_json(client, job.job_id)) and j["ranks"][0]["step"] == 9)
+    url = _base(client) + f"jobs/{job.job_id}/view"
+
+    def ask(seen: str | None = None) -> tuple[int, str, float]:
+        began = time.monotonic()
+        with urllib.request.urlopen(url + (f"?seen={seen}" if seen else ""), timeout=10) as r:
+            seen_now = r.headers["X-DDP-Seen"]
+            r.read()
+        return int(seen_now), seen_now, time.monotonic() - began
+
+    count, seen, _ = ask()
+    held = ask(seen)  # the job is paused: nothing changes, the request is held a second
+    assert held[0] == count and held[2] >= 0.9, held
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_get, url + f"?seen={count}")
+        time.sleep(0.3)  # the request is in, and held
+        assert not waiting.done()
+        Event("dask-ddp-test-dashboard-go", client=client).set()
+        status, part = waiting.result(timeout=30)
+    assert status == 200
+    steps = [int(s) for s in re.findall(r"step (\d+)", part)]
+    assert steps and max(steps) > 9, part  # drawn after the ranks went on

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Any
 
 import dask
 import pytest
@@ -540,3 +541,46 @@ def test_bars_with_a_total_show_steps_done_percent_and_time_left(client: Client)
     assert "bars relative to the leading rank" in render_html(without.view_state())
     with pytest.raises(ValueError, match="total_steps"):
         dask_ddp.launch(client, _count_steps, args=(5,), total_steps=0)
+
+
+def test_the_views_are_redrawn_at_once_when_idle_and_paced_under_a_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A change after a quiet spell is drawn at once; under a stream, one redraw every
+    `_VIEW_GAP`, and a slow view (one whose redraw takes d) waits d / `_VIEW_SHARE`, so that
+    drawing never takes more than that share of the client's loop. (On a clock of the
+    test's: what it checks is the schedule, not the machine's speed.)"""
+    from dask_ddp import _model
+
+    clock = [1000.0]
+    monkeypatch.setattr(_model.time, "monotonic", lambda: clock[0])
+    calls: list[tuple[float, Any]] = []
+    model = JobModel("3f2a", "train")
+    model.schedule = lambda delay, fn: calls.append((delay, fn))
+
+    class Drawn:
+        took = 0.0
+
+        def update(self, snap: dict[str, Any]) -> None:
+            clock[0] += self.took
+
+    drawn = Drawn()
+    model.views.append(drawn)
+    model.mark_views()
+    ((delay, fn),) = calls
+    assert delay == 0  # quiet: at once
+    model.mark_views()  # already due: one redraw shows both
+    assert len(calls) == 1
+    fn()
+    clock[0] += 0.001
+    model.mark_views()  # right after a redraw: paced
+    assert calls[-1][0] == pytest.approx(_model._VIEW_GAP - 0.001)
+    clock[0] += calls[-1][0]
+    calls[-1][1]()
+    clock[0] += _model._VIEW_GAP
+    model.mark_views()  # a gap since the last: at once again
+    assert calls[-1][0] == 0
+    drawn.took = 0.02  # a slow view: it waits its cost over the share
+    calls[-1][1]()
+    model.mark_views()
+    assert calls[-1][0] == pytest.approx(0.02 / _model._VIEW_SHARE - 0.02)
