@@ -47,24 +47,27 @@ logger = logging.getLogger(__name__)
 
 _WAIT = 1.0  # the longest a page's request waits for a change (the elapsed time ticks on)
 _GAP = 0.02  # pages are woken at most this often: at once after a quiet spell, in batches
-# under a stream of changes (a job's ranks each tell the supervisor every event flush)
+# under a stream of changes (a job's ranks each tell the supervisor every event flush) ...
+_SHARE = 0.1  # ... and drawing them takes at most this share of the scheduler's loop
 
 
 class Changes:
     """A count of changes to what the pages show, and the pages' requests waiting for the
     next one: a long poll, paced. The first change after a quiet spell wakes them at once;
     changes that follow within ``gap`` of a wake are woken together, ``gap`` after it (the
-    reverse of Nagle's algorithm: no delay when idle, batches only under load). On the
-    scheduler's event loop.
+    reverse of Nagle's algorithm: no delay when idle, batches only under load), or later
+    when the pages take long to draw (:meth:`drew`): they take at most ``share`` of the
+    scheduler's loop. On the scheduler's event loop.
 
     >>> changes = Changes()
     >>> changes.count
     0
     """
 
-    def __init__(self, gap: float = _GAP) -> None:
+    def __init__(self, gap: float = _GAP, share: float = _SHARE) -> None:
         self.count = 0
-        self._gap = gap
+        self._gap = self._least_gap = gap
+        self._share = share
         self._woken = -gap  # time.monotonic() of the last wake
         self._due: asyncio.TimerHandle | None = None
         self._waiters: asyncio.Future[None] | None = None
@@ -79,6 +82,11 @@ class Changes:
             self._wake()
         else:
             self._due = asyncio.get_running_loop().call_later(wait, self._wake)
+
+    def drew(self, seconds: float) -> None:
+        """A page took ``seconds`` to draw: the next wakes are that much over the share
+        apart (a large job's page is drawn less often, not at the cost of the scheduler)."""
+        self._gap = max(self._least_gap, seconds / self._share)
 
     def _wake(self) -> None:
         self._due = None
@@ -248,7 +256,9 @@ class _ListPage(_Handler):
 class _ListPart(_Handler):
     async def get(self) -> None:
         await self._changed()
+        began = time.monotonic()
         self.write(list_html(self.plugin))
+        self.plugin.changes.drew(time.monotonic() - began)
 
 
 class _JobPage(_Handler):
@@ -265,12 +275,14 @@ class _JobPage(_Handler):
 class _JobPart(_Handler):
     async def get(self, job_id: str) -> None:
         await self._changed()
+        began = time.monotonic()
         job = self._job(job_id)
         self.write(
             f"<p data-final='1'>{html.escape(self._missing(job_id))}</p>"
             if job is None
             else _job_html(job)
         )
+        self.plugin.changes.drew(time.monotonic() - began)
 
 
 class _JobsApi(_Handler):

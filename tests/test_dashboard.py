@@ -423,8 +423,9 @@ def test_pages_waiting_for_a_change_are_woken_at_once_then_in_batches() -> None:
     waiting requests: a request whose page shows less than there is answers at once; one
     that waits answers at the next change, at once after a quiet spell of `gap` and no
     later than `gap` after the last wake under a stream of changes; with no change it
-    answers after its timeout with nothing new."""
+    answers after its timeout with nothing new; a page slow to draw is drawn less often."""
     import asyncio
+    import itertools
     import random
     import statistics
 
@@ -465,6 +466,17 @@ def test_pages_waiting_for_a_change_are_woken_at_once_then_in_batches() -> None:
         began = time.monotonic()
         assert await changes.after(seen, timeout=0.2) == seen  # nothing new: the timeout
         assert time.monotonic() - began >= 0.2
+        # A page that takes 20 ms to draw is drawn at most every 0.2 s (a tenth of the
+        # scheduler's loop), whatever the stream of changes.
+        changes.drew(0.02)
+        woken.clear()
+        for _ in range(3):
+            waiting = asyncio.ensure_future(changes.after(changes.count, timeout=5))
+            await asyncio.sleep(0)
+            changes.bump()
+            await waiting
+            woken.append(time.monotonic())
+        assert min(b - a for a, b in itertools.pairwise(woken)) >= 0.2 - 0.001, woken
 
     asyncio.run(rounds())
 
