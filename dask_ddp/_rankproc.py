@@ -338,12 +338,9 @@ def _fork() -> _Spare:
 
     task_end, rank_end = multiprocessing.Pipe(duplex=True)
     stacks_r, stacks_w = os.pipe()
-    # The worker's environment, whichever process the template belongs to (its nanny's
-    # has the nanny's: not the nanny's ``env``, nor dask-cuda's CUDA_VISIBLE_DEVICES).
-    environ = {k: v for k, v in os.environ.items() if k != _template.TEMPLATE_MARK}
     process = _template.TemplateProcess(
         target=_rank_main,
-        args=(rank_end, _Fd(stacks_w), environ),
+        args=(rank_end, _Fd(stacks_w), worker_environ()),
         name="dask-ddp-rank",
         # Daemonic for its worker: a worker that exits ends its spare and its rank (else it
         # would wait for them); the rank itself may have children (_rank_main).
@@ -363,6 +360,82 @@ def _fork() -> _Spare:
     with _spares_lock:
         _groups.add(process.pid)  # it leads a group of its own (_rank_main)
     return _Spare(process, task_end, stacks_r)
+
+
+def worker_environ() -> dict[str, str]:
+    """The worker's environment, for a process forked from its template, whichever process
+    that belongs to (its nanny's has the nanny's: not the nanny's ``env``, nor dask-cuda's
+    CUDA_VISIBLE_DEVICES)."""
+    from . import _template
+
+    return {k: v for k, v in os.environ.items() if k != _template.TEMPLATE_MARK}
+
+
+def fork_from_template(worker: Any, target: Callable[..., None], args: tuple, name: str) -> Any:
+    """(In a thread of ``worker``'s.) Start ``target(*args)`` in a daemonic process forked
+    from the worker's template (a ``TemplateProcess``); a template that went since it was
+    found (its nanny's, then started again) is found again first."""
+    from . import _process, _template
+
+    def start() -> Any:
+        process = _template.TemplateProcess(target=target, args=args, name=name, daemon=True)
+        with _process.children_allowed(True):
+            process.start()
+        return process
+
+    return _again_if_lost(worker, start)
+
+
+def _again_if_lost(worker: Any, start: Callable[[], Any]) -> Any:
+    """``start()``, and once more after finding the worker's template again if it failed
+    because the template went (:func:`dask_ddp._template.lost`)."""
+    from . import _template
+
+    try:
+        return start()
+    except OSError:
+        if not _template.lost():
+            raise
+    from . import _dask_internals
+
+    _dask_internals.on_worker_loop(worker, _template.find, worker)
+    return start()
+
+
+def count_gpus(worker: Any) -> int:
+    """(In a thread of ``worker``'s.) The GPUs its ranks see: ``torch.cuda.device_count()``
+    in a process forked for it from the worker's template, with the worker's environment,
+    which then exits. The worker never imports torch to count (1.5-3 s of CPU on a fresh
+    worker, beside its template's own import); the template never starts CUDA (its forks
+    could not use it), nor does a spare before its rank's CUDA_VISIBLE_DEVICES is set."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    try:
+        process = fork_from_template(
+            worker, _count_gpus, (writer, worker_environ()), "dask-ddp-gpus"
+        )
+        writer.close()
+        try:
+            count = reader.recv()
+        except EOFError:
+            process.join()
+            raise RuntimeError(
+                f"the process counting this worker's GPUs ended without a count (exit code "
+                f"{process.exitcode})"
+            ) from None
+        process.join()
+        return int(count)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def _count_gpus(conn: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    import torch
+
+    conn.send(torch.cuda.device_count())
+    conn.close()
 
 
 def groups_alive() -> set[int]:
@@ -425,17 +498,7 @@ def _take(worker: Any) -> _Spare:
 def _fork_now(worker: Any) -> _Spare:
     """Fork the rank's process now; a template that went since the probe (its nanny's, which
     it then starts again) is found again first."""
-    from . import _template
-
-    try:
-        return _fork()
-    except OSError:
-        if not _template.lost():
-            raise
-    from . import _dask_internals
-
-    _dask_internals.on_worker_loop(worker, _template.find, worker)
-    return _fork()
+    return _again_if_lost(worker, _fork)
 
 
 def _end_later(handle: RankProcess) -> None:

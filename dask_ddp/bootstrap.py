@@ -44,6 +44,7 @@ from . import (
     _resume,
     _saving,
     _status,
+    _storehost,
     _traceback,
     events,
 )
@@ -130,40 +131,41 @@ def _class_path(error: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _gpu_count() -> int:
+def _gpu_count(worker: Any, slot: ProcessSlot) -> int:
     """The worker's GPUs (it sees them through its own ``CUDA_VISIBLE_DEVICES``, which does
-    not change while it lives): counted once."""
-    import torch
-
+    not change while it lives): counted once, where its ranks run (a process forked from
+    its template, :func:`dask_ddp._rankproc.count_gpus`; a lane's thread, with torch in
+    the worker)."""
     if not _gpus:
-        _gpus.append(torch.cuda.device_count())
+        if slot is PROCESS:
+            from . import _rankproc
+
+            _gpus.append(_rankproc.count_gpus(worker))
+        else:
+            import torch
+
+            _gpus.append(torch.cuda.device_count())
     return _gpus[0]
 
 
 _gpus: list[int] = []  # this worker's GPU count, once counted
 
 
-def _open_store(job_id: str, host: str, timeout: float, slot: ProcessSlot) -> int:
-    """Open ``job_id``'s store on this worker (its address ``host``) and keep it in
-    ``slot`` for the job's rank 0; its port."""
-    store = _new_store(host, timeout)
+def _open_store(job_id: str, worker: Any, timeout: float, slot: ProcessSlot) -> int:
+    """Open ``job_id``'s store on this worker (on its own address) and keep it in ``slot``
+    for the job's rank 0; its port."""
+    store = _worker_store(worker, timeout, slot)
     slot.put_store(job_id, store)
     return store.port
 
 
-def _new_store(host: str, timeout: float) -> Any:
-    import torch.distributed as dist
-
-    fd, port = _listen_on(host)
-    try:
-        return dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=timeout), master_listen_fd=fd,
-        )  # fmt: skip
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        raise
+def _worker_store(worker: Any, timeout: float, slot: ProcessSlot) -> Any:
+    """A store listening on ``worker``'s address for a rank 0 of its: held by its store host
+    (:mod:`dask_ddp._storehost`) when ranks run in processes of their own, so the worker
+    never imports torch; in the worker itself for a lane's rank 0, a thread here."""
+    if slot is PROCESS:
+        return _storehost.open_store(worker, worker.ip, timeout)
+    return _storehost.new_store(worker.ip, timeout)
 
 
 class _StoreAhead:
@@ -181,64 +183,41 @@ class _StoreAhead:
         does); its port, or None if none waits."""
         with self._lock:
             ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead[0] != host:
+        if ahead is None or ahead[0] != host or slot is not PROCESS:
             return None
         store = ahead[1]
-        store.set_timeout(timedelta(seconds=timeout))
+        try:
+            store.set_timeout(timedelta(seconds=timeout))
+        except ConnectionError:  # its store host went (the probe opens another)
+            logger.debug("the store opened ahead on %s is gone", host, exc_info=True)
+            return None
         slot.put_store(job_id, store)
         return store.port
 
-    def open_later(self, host: str) -> None:
-        """Open the next one on ``host`` :data:`~dask_ddp._slot.LEFTOVER_DELAY` from now,
-        on a timer's thread (the task that ended has reported its end by then)."""
-        timer = threading.Timer(LEFTOVER_DELAY, self._open, args=(host,))
+    def open_later(self, worker: Any) -> None:
+        """Open the next one on ``worker``'s address :data:`~dask_ddp._slot.LEFTOVER_DELAY`
+        from now, on a timer's thread (the task that ended has reported its end by then)."""
+        timer = threading.Timer(LEFTOVER_DELAY, self._open, args=(worker,))
         timer.daemon = True
         timer.start()
 
-    def _open(self, host: str) -> None:
+    def _open(self, worker: Any) -> None:
         with self._lock:
             if self._ahead is not None:
                 return
         try:
-            store = _new_store(host, _STORE_AHEAD_TIMEOUT)
+            store = _worker_store(worker, _STORE_AHEAD_TIMEOUT, PROCESS)
         except Exception:  # the next probe opens one, and says what fails
-            logger.debug("could not open a store ahead on %s", host, exc_info=True)
+            logger.debug("could not open a store ahead on %s", worker.ip, exc_info=True)
             return
         with self._lock:
             if self._ahead is None:
-                self._ahead, store = (host, store), None
+                self._ahead, store = (worker.ip, store), None
         del store  # one opened meanwhile: this one closes
 
 
 _STORE_AHEAD = _StoreAhead()  # this worker's
 _STORE_AHEAD_TIMEOUT = 300.0  # seconds: replaced by the job's rendezvous timeout when taken
-
-
-def _listen_on(host: str) -> tuple[int | None, int]:
-    """A socket listening on the worker's own address ``host``, on a port the OS picks, for
-    the store to take (its file descriptor, and the port). A store left to itself listens
-    on every interface of the machine. ``(None, 0)`` where ``host`` is not an address of
-    this machine (a worker that advertises another, behind NAT): the store then listens
-    on all of them, as torchrun's does."""
-    import socket
-
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.bind(address)
-            sock.listen(socket.SOMAXCONN)
-        except OSError:
-            sock.close()
-            raise
-    except OSError as exc:
-        logger.info(
-            "dask-ddp: the job's store listens on every interface: it cannot bind to the "
-            "worker's address %s (%s)", host, exc,
-        )  # fmt: skip
-        return None, 0
-    port = sock.getsockname()[1]
-    return sock.detach(), port
 
 
 async def probe_worker(
@@ -247,27 +226,28 @@ async def probe_worker(
     """Run by ``client.run`` on each chosen worker before launch.
 
     Reports the worker's GPUs, its own ``CUDA_VISIBLE_DEVICES`` and the rank it is running,
-    if any; on rank 0's worker (``store_worker``) also opens the job's store. The torch
-    import runs in a thread so the worker's event loop stays responsive.
+    if any; on rank 0's worker (``store_worker``) also opens the job's store. What takes
+    long (a fresh worker's template, the count of its GPUs, the store) runs in threads so
+    the worker's event loop stays responsive.
     """
     loop = asyncio.get_running_loop()
     slot = slot_for(dask_worker)
     # A warm worker answers at once: its GPUs counted before, its spare rank process
-    # waiting. A fresh one imports torch (and starts its template) in threads.
-    counted = _gpus[0] if _gpus else loop.run_in_executor(None, _gpu_count)
-    if slot is PROCESS:  # the template the rank's process forks from, its imports beside
+    # waiting. A fresh one finds its template, forks its spare and counts its GPUs in a
+    # process forked from that template, in threads; the worker itself never imports torch.
+    if slot is PROCESS:
         from . import _rankproc, _template
 
         if not _rankproc.spare_waits():
             await _template.find(dask_worker)
             await loop.run_in_executor(None, _rankproc.warm, dask_worker)
-    gpus = counted if isinstance(counted, int) else await counted
+    gpus = _gpus[0] if _gpus else await loop.run_in_executor(None, _gpu_count, dask_worker, slot)
     port = None
     if dask_worker.address == store_worker:
         port = _STORE_AHEAD.take(job_id, dask_worker.ip, store_timeout, slot)
         if port is None:
             port = await loop.run_in_executor(
-                None, _open_store, job_id, dask_worker.ip, store_timeout, slot
+                None, _open_store, job_id, dask_worker, store_timeout, slot
             )
     active = slot.current()
     return {
@@ -678,7 +658,7 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         leftover, run.leftover = run.leftover, None
         slot.release(run, leftover)
         if p.rank == 0 and slot is PROCESS:  # its job's store was taken: the next one's
-            _STORE_AHEAD.open_later(worker.ip)
+            _STORE_AHEAD.open_later(worker)
     if error is not None:  # raised here, out of the handler
         raise error
     if undelivered is not None:

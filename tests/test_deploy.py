@@ -124,16 +124,14 @@ def _check_followed(job: dask_ddp.Job) -> None:
 
 # -- what the rendezvous exposes --------------------------------------------------------
 def _store_listens_on() -> list[str]:
-    """On rank 0: the addresses the job's store listens on (it is in rank 0's worker, whose
-    pid ``get_worker()`` knows in a rank's process)."""
+    """On rank 0: the addresses the job's store listens on (it is held for rank 0's worker
+    by that worker's store host, a process of its own)."""
     import psutil
-    from distributed import get_worker
 
     port = int(os.environ["MASTER_PORT"])
-    worker = psutil.Process(get_worker().pid)
     return sorted(
         c.laddr.ip
-        for c in worker.net_connections(kind="tcp")
+        for c in psutil.net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN and c.laddr.port == port
     )
 

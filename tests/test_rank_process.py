@@ -405,7 +405,11 @@ def test_ranks_fork_from_their_nanny_s_template_which_outlives_a_lost_worker() -
         ) as cluster,
         Client(cluster) as client,
     ):  # fmt: skip
+        before_workers = list(client.scheduler_info()["workers"])
         before = dask_ddp.launch(client, _template_of_rank).result(timeout=120)
+        # The workers never import torch (their GPUs are counted, and rank 0's store held,
+        # in processes forked from the template): 1.5-3 s of CPU each on a fresh cluster.
+        assert client.run(lambda: "torch" in sys.modules) == dict.fromkeys(before_workers, False)
         templates = {template for template, _, _ in before}
         assert len(templates) == 1, before  # one for both workers
         template = psutil.Process(templates.pop())
@@ -534,3 +538,52 @@ def test_a_worker_killed_mid_request_leaves_the_template_forking(monkeypatch) ->
         assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # still there
     finally:
         template.stop()
+
+
+def _use_a_held_store() -> dict[str, Any]:
+    """In a worker's task (a thread of its, as the probe's): a store held by its store
+    host, used as the worker uses a job's."""
+    from datetime import timedelta
+
+    import psutil
+
+    from dask_ddp import _storehost
+
+    worker = distributed.get_worker()
+    store = _storehost.open_store(worker, worker.ip, 30)
+    store.set_timeout(timedelta(seconds=0.2))
+    out: dict[str, Any] = {"port": store.port}
+    out["set"] = store.compare_set("dask-ddp/joined-ready", "", b"aborted")
+    out["get"] = store.get("dask-ddp/joined-ready")
+    out["check"] = (store.check(["dask-ddp/joined-ready"]), store.check(["nothing"]))
+    try:
+        store.get("nothing")  # waits out the store's timeout
+    except Exception as exc:
+        out["error"] = (type(exc).__module__, type(exc).__name__)
+    host = _storehost._host.process.pid
+
+    def listening() -> bool:
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr.port == out["port"]
+            for c in psutil.Process(host).net_connections(kind="tcp")
+        )
+
+    out["listened"] = listening()
+    del store  # let go: closed in its host (as a TCPStore is when let go)
+    _storehost.open_store(worker, worker.ip, 30).close()  # a call after: the close went
+    deadline = time.monotonic() + 10
+    while listening() and time.monotonic() < deadline:  # torch stops its server's loop
+        time.sleep(0.05)
+    out["listens after"] = listening()
+    return out
+
+
+def test_a_store_held_for_the_worker_answers_its_calls_and_closes_when_let_go(
+    client: Client,
+) -> None:
+    out = client.submit(_use_a_held_store, pure=False).result(timeout=120)
+    assert out["set"] == b"aborted" and out["get"] == b"aborted"
+    assert out["check"] == (True, False)
+    # torch's DistStoreError arrives as the builtin it derives from: no torch in the worker
+    assert out["error"][0] == "builtins", out["error"]
+    assert out["listened"] and not out["listens after"]

@@ -153,6 +153,7 @@ RANK = {
     "dask_ddp._lanes",
     "dask_ddp._rankproc",
     "dask_ddp._template",
+    "dask_ddp._storehost",
 }
 LIBRARY = {m for m in NAMES if m.startswith("dask_ddp.data")}
 FACADES = {"dask_ddp", "dask_ddp.results"} | {
