@@ -684,8 +684,10 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
 
     # The cluster's nannies are in this process, and hold its rank template for their
     # workers: started now, its imports (torch's, 2-3 s of CPU) run beside the workers'
-    # start instead of after it (by name: the nannies' side, not the command line's).
-    call("dask_ddp._template:start_here")
+    # start instead of after it (by name: the nannies' side, not the command line's). The
+    # cluster runs one script: the template imports what every script needs, not dynamo
+    # (a DDP script's ranks import it, as under torchrun; _template.LEAN).
+    call("dask_ddp._template:start_here", lean=True)
     scratch = tempfile.mkdtemp(prefix="dask-ddp-")
     code = 1
     try:

@@ -134,8 +134,9 @@ def test_exits_promptly_after_success_leaving_nothing(tmp_path: Path) -> None:
 
 
 WHERE_FORKED = """\
-import os, psutil
+import os, sys, psutil
 print("FORKED-FROM", os.getppid(), psutil.Process(os.getppid()).ppid(), flush=True)
+print("PRELOADED", "torch.distributed" in sys.modules, "torch._dynamo" in sys.modules, flush=True)
 """
 
 
@@ -143,7 +144,8 @@ def test_the_command_s_ranks_fork_from_one_template_in_the_command_s_process(
     tmp_path: Path,
 ) -> None:
     # The command's own cluster's nannies are in its process: they hold one template for
-    # both workers, started before the cluster (its imports beside the workers' start).
+    # both workers, started before the cluster (its imports beside the workers' start),
+    # which imports what every script needs (_template.LEAN).
     script = tmp_path / "where.py"
     script.write_text(WHERE_FORKED)
     done, _, command = _cli(str(script))
@@ -151,6 +153,9 @@ def test_the_command_s_ranks_fork_from_one_template_in_the_command_s_process(
     forked = re.findall(r"FORKED-FROM (\d+) (\d+)", done.stdout)
     assert len(forked) == 2 and len(set(forked)) == 1, done.stdout
     assert int(forked[0][1]) == command
+    # It imported torch.distributed for them, and not dynamo: the command's cluster runs one
+    # script, and a script that needs dynamo (a DDP one) imports it, as under torchrun.
+    assert done.stdout.count("PRELOADED True False") == 2, done.stdout
 
 
 @pytest.mark.slow
