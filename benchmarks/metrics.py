@@ -243,7 +243,8 @@ _PAGE_ROW = re.compile(
 
 
 class _PageReader(_ShownSteps):
-    """The job's page in a browser: its script's long poll of ``/ddp/jobs/<id>/view``."""
+    """The job's page in a browser: its script's long poll of ``/ddp/jobs/<id>/view`` (or,
+    on a dask_ddp before it, its request every second)."""
 
     def __init__(self, client: Client, job_id: str) -> None:
         super().__init__()
@@ -256,11 +257,15 @@ class _PageReader(_ShownSteps):
         seen = ""
         while True:
             with urllib.request.urlopen(self._url + seen, timeout=30) as r:
-                seen = f"?seen={r.headers['X-DDP-Seen']}"
+                count = r.headers["X-DDP-Seen"]
                 part = r.read().decode()
             self.saw({int(rank): int(step) for rank, step in _PAGE_ROW.findall(part)})
             if "data-final" in part:
                 return
+            if count is None:  # a page before the long poll (issue 44): it asked every second
+                time.sleep(1.0)
+            else:
+                seen = f"?seen={count}"
 
     def join(self) -> None:
         self._thread.join(60)
