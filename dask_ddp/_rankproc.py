@@ -430,6 +430,7 @@ def count_gpus(worker: Any) -> int:
 
 
 def _count_gpus(conn: Any, environ: dict[str, str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: its worker's to take
     os.environ.clear()
     os.environ.update(environ)
     import torch

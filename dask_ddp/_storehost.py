@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import weakref
 from datetime import timedelta
@@ -183,7 +184,10 @@ def open_store(worker: Any, host: str, timeout: float) -> RemoteStore:
 
 
 def _host_main(conn: Any, environ: dict[str, str]) -> None:
-    """The store host: open, call and close stores as its worker asks, until it goes."""
+    """The store host: open, call and close stores as its worker asks, until it goes. A
+    terminal's Ctrl-C (SIGINT to the command line's process group) is not for it: the
+    job's stop that follows releases the ranks through it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(environ)
     stores: dict[int, Any] = {}

@@ -54,7 +54,16 @@ from . import _malloc, _process
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LEAN", "PRELOAD", "TEMPLATE_MARK", "TemplateProcess", "find", "lost", "start", "start_here"]
+__all__ = [
+    "LEAN",
+    "PRELOAD",
+    "TEMPLATE_MARK",
+    "TemplateProcess",
+    "find",
+    "lost",
+    "start",
+    "start_here",
+]
 
 #: Modules the template imports once, so that a rank's process starts with them. Measured
 #: in a process forked from a template without them: ``dask_ddp.data._collection_shard``
