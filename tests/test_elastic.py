@@ -31,11 +31,18 @@ def make_cluster(n_workers: int) -> LocalCluster:
 
 
 def counted(
-    steps: int, ckpt_every: int, step_seconds: float, every_rank_saves: bool = True
+    steps: int,
+    ckpt_every: int,
+    step_seconds: float,
+    every_rank_saves: bool = True,
+    until: tuple[int, int] | None = None,
 ) -> dict:
     """DDP training that records, in its checkpoints, every step it trained and at which
     world size, so the test can check each step was trained exactly once. With
-    ``every_rank_saves=False`` only rank 0 calls save_checkpoint, as much torchrun code does."""
+    ``every_rank_saves=False`` only rank 0 calls save_checkpoint, as much torchrun code does.
+    ``until=(size, n)``: it ends (a checkpoint, then return) once it trained ``n`` steps at
+    world size ``size``, before ``steps`` if that comes first: a grow is checked as soon as it
+    has been trained through, not after a fixed number of steps."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ctx = dask_ddp.get_context()
@@ -60,7 +67,8 @@ def counted(
         trained.append(step)
         sizes.append(ctx.world_size)
         dask_ddp.report({"loss": loss.item(), "world_size": ctx.world_size}, step=step)
-        at_checkpoint = step % ckpt_every == ckpt_every - 1 or step == steps - 1
+        done = until is not None and sizes.count(until[0]) >= until[1]
+        at_checkpoint = step % ckpt_every == ckpt_every - 1 or step == steps - 1 or done
         if at_checkpoint and (every_rank_saves or ctx.rank == 0):
             dask_ddp.save_checkpoint(
                 {
@@ -72,6 +80,8 @@ def counted(
                 },
                 step=step,
             )
+        if done:
+            break
         time.sleep(step_seconds)
     return {"world_size": ctx.world_size, "attempt": ctx.attempt, "start": start}
 
@@ -154,7 +164,7 @@ def test_job_shrinks_when_a_worker_leaves_then_grows_when_one_joins(tmp_path: Pa
         # (2) A job that may use 3 starts on the 2 there are and grows when a third joins.
         grow_dir = tmp_path / "grow"
         job = dask_ddp.launch(
-            client, counted, args=(300, 10, 0.05), workers=3, min_workers=2,
+            client, counted, args=(300, 10, 0.05, True, (3, 20)), workers=3, min_workers=2,
             checkpoint_dir=str(grow_dir),
         )  # fmt: skip
         assert job.world_size == 2
@@ -163,9 +173,10 @@ def test_job_shrinks_when_a_worker_leaves_then_grows_when_one_joins(tmp_path: Pa
         results = job.result(timeout=180)
         assert [r["world_size"] for r in results] == [3, 3, 3]
         state = _final_state(grow_dir)
-        assert state["trained"].tolist() == list(range(300))
+        trained = state["trained"].tolist()
+        assert trained == list(range(len(trained)))  # each step once, in order
         sizes = state["sizes"].tolist()
-        assert sizes[0] == 2 and sizes[-1] == 3
+        assert sizes[0] == 2 and sizes[-1] == 3 and sizes.count(3) == 20
         assert [t.world_size for t in _placements(job)] == [2, 3]
         assert job.history[1].state is dask_ddp.JobState.RESIZING
         assert job.history[1].reason.startswith("grow at the checkpoint of step ")
@@ -179,7 +190,7 @@ def test_job_shrinks_when_a_worker_leaves_then_grows_when_one_joins(tmp_path: Pa
         assert holder.world_size == 1
         late_dir = tmp_path / "late"
         job = dask_ddp.launch(
-            client, counted, args=(300, 10, 0.05, False), workers=3, min_workers=2,
+            client, counted, args=(300, 10, 0.05, False, (3, 20)), workers=3, min_workers=2,
             checkpoint_dir=str(late_dir),
         )  # fmt: skip
         assert job.world_size == 2 and not set(job.workers) & set(holder.workers)
@@ -187,7 +198,8 @@ def test_job_shrinks_when_a_worker_leaves_then_grows_when_one_joins(tmp_path: Pa
         Event("elastic-holder", client=client).set()
         assert holder.result(timeout=60) == [True]
         assert [r["world_size"] for r in job.result(timeout=180)] == [3, 3, 3]
-        assert _final_state(late_dir)["trained"].tolist() == list(range(300))
+        trained = _final_state(late_dir)["trained"].tolist()
+        assert trained == list(range(len(trained))) and len(trained) > 20
         assert [t.world_size for t in _placements(job)] == [2, 3]
 
 
