@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -317,6 +318,23 @@ def _said(command: Output) -> list[str]:
     return [line.rstrip("\n") for line in command.lines if line.startswith("dask_ddp:")]
 
 
+def _exit_code(command: Output, timeout: float) -> int:
+    """The command's exit code; a command still running after ``timeout`` fails the test
+    with what it printed and where its threads are (py-spy, where it is installed): a bare
+    TimeoutExpired says nothing of where it stuck."""
+    try:
+        return command.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        stacks = ""
+        if spy:
+            dump = [spy, "dump", "--pid", str(command.proc.pid)]
+            stacks = subprocess.run(dump, capture_output=True, text=True, timeout=60).stdout
+        command.proc.kill()
+        command.stop()
+        pytest.fail(f"the command still ran after {timeout} s:\n{command.text()[-4000:]}\n{stacks}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_cancels_the_job_and_its_workers_are_free_at_once(
@@ -329,7 +347,7 @@ def test_a_signal_cancels_the_job_and_its_workers_are_free_at_once(
     command.wait_for(r"\[rank 1\] TRAINING 1")
     sent = time.time()
     command.proc.send_signal(sig)
-    assert command.proc.wait(120) == 130, command.text()[-3000:]
+    assert _exit_code(command, 120) == 130, command.text()[-3000:]
     command.stop()
     assert "Traceback" not in command.text(), command.text()[-3000:]
     (said,) = _said(command)
@@ -353,7 +371,7 @@ def test_ctrl_c_ends_the_command_s_own_cluster_with_one_line(tmp_path: Path) -> 
     command.wait_for("TRAINING 0")
     command.wait_for("TRAINING 1")
     os.killpg(command.proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole group
-    assert command.proc.wait(120) == 130, command.text()[-3000:]
+    assert _exit_code(command, 120) == 130, command.text()[-3000:]
     command.stop()
     assert "Traceback" not in command.text(), command.text()[-3000:]
     (said,) = _said(command)

@@ -490,7 +490,9 @@ def test_the_page_s_request_waits_for_the_job_s_next_change(
     import concurrent.futures
 
     job = paused_job
-    assert _until(lambda: (j := _job_json(client, job.job_id)) and j["ranks"][0]["step"] == 9)
+    assert _until(
+        lambda: (j := _job_json(client, job.job_id)) and all(r["step"] == 9 for r in j["ranks"])
+    )
     url = _base(client) + f"jobs/{job.job_id}/view"
 
     def ask(seen: str | None = None) -> tuple[int, str, float]:
@@ -500,8 +502,11 @@ def test_the_page_s_request_waits_for_the_job_s_next_change(
             r.read()
         return int(seen_now), seen_now, time.monotonic() - began
 
-    count, seen, _ = ask()
-    held = ask(seen)  # the job is paused: nothing changes, the request is held a second
+    for _ in range(3):  # (a rank's last event may still be on its way: then once more)
+        count, seen, _ = ask()
+        held = ask(seen)  # the job is paused: nothing changes, the request is held a second
+        if held[0] == count:
+            break
     assert held[0] == count and held[2] >= 0.9, held
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(_get, url + f"?seen={count}")
