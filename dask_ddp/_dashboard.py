@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import dask.config
@@ -229,15 +230,18 @@ class _Handler(web.RequestHandler):
             f"than the last {self.plugin.max_jobs} jobs the scheduler keeps."
         )
 
-    async def _changed(self) -> int:
-        """Wait for a change past the request's ``seen`` (none: answer now), and say the
-        count in ``X-DDP-Seen`` for the page's next request."""
+    async def _part(self, draw: Callable[[], str]) -> None:
+        """Answer a page's request for the part that changes: once it changed past the
+        request's ``seen`` (none: now), with the count in ``X-DDP-Seen`` for the page's next
+        request; what drawing it cost paces the next wakes (:meth:`Changes.drew`)."""
         seen = self.get_argument("seen", None)
         changes = self.plugin.changes
         count = changes.count if seen is None else await changes.after(_int(seen))
         self.set_header("X-DDP-Seen", str(count))
         self.set_header("Cache-Control", "no-store")
-        return count
+        began = time.monotonic()
+        self.write(draw())
+        changes.drew(time.monotonic() - began)
 
 
 def _int(text: str) -> int:
@@ -255,10 +259,7 @@ class _ListPage(_Handler):
 
 class _ListPart(_Handler):
     async def get(self) -> None:
-        await self._changed()
-        began = time.monotonic()
-        self.write(list_html(self.plugin))
-        self.plugin.changes.drew(time.monotonic() - began)
+        await self._part(lambda: list_html(self.plugin))
 
 
 class _JobPage(_Handler):
@@ -274,15 +275,13 @@ class _JobPage(_Handler):
 
 class _JobPart(_Handler):
     async def get(self, job_id: str) -> None:
-        await self._changed()
-        began = time.monotonic()
-        job = self._job(job_id)
-        self.write(
-            f"<p data-final='1'>{html.escape(self._missing(job_id))}</p>"
-            if job is None
-            else _job_html(job)
-        )
-        self.plugin.changes.drew(time.monotonic() - began)
+        def draw() -> str:
+            job = self._job(job_id)
+            if job is None:
+                return f"<p data-final='1'>{html.escape(self._missing(job_id))}</p>"
+            return _job_html(job)
+
+        await self._part(draw)
 
 
 class _JobsApi(_Handler):

@@ -13,6 +13,7 @@ again for the next store.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import os
@@ -31,7 +32,7 @@ class _Host:
     def __init__(self, process: Any, conn: Any) -> None:
         self.process, self.conn = process, conn
         self.lock = threading.Lock()
-        self._ids = 0
+        self.ids = itertools.count(1)  # of the stores it holds
         self._closed: list[int] = []  # stores let go, their close not sent yet
 
     def alive(self) -> bool:
@@ -71,11 +72,6 @@ class _Host:
         while self._closed:
             self.conn.send(("close", self._closed.pop(), None, ()))  # no answer
 
-    def new_id(self) -> int:
-        with self.lock:
-            self._ids += 1
-            return self._ids
-
 
 _lock = threading.Lock()
 _host: _Host | None = None
@@ -108,9 +104,6 @@ class RemoteStore:
     def __init__(self, host: _Host, store_id: int, port: int) -> None:
         self._host, self._id, self.port = host, store_id, port
         self._closing = weakref.finalize(self, _close_quietly, host, store_id)
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._host.call("call", self._id, "set_timeout", (timeout,))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -178,7 +171,7 @@ def open_store(worker: Any, host: str, timeout: float) -> RemoteStore:
     """(In a thread of ``worker``'s.) A new store listening on ``host`` (the worker's own
     address; :func:`new_store`), held by the worker's store host."""
     store_host = _current(worker)
-    store_id = store_host.new_id()
+    store_id = next(store_host.ids)
     port = store_host.call("open", store_id, host, (timeout,))
     return RemoteStore(store_host, store_id, port)
 
