@@ -8,6 +8,7 @@ processes and the data persisted on them, and no process of the rank is left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -459,7 +460,8 @@ def test_a_nanny_s_template_that_died_is_started_again(own_cluster: LocalCluster
         first = {t for t, _, _ in dask_ddp.launch(client, _template_of_rank).result(timeout=120)}
         template = psutil.Process(first.pop())
         for process in [*template.children(recursive=True), template]:  # the spares too
-            process.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # a child ending of itself meanwhile
+                process.kill()
         template.wait(timeout=10)
         again = dask_ddp.launch(client, _template_of_rank).result(timeout=120)
         started = {t for t, _, _ in again}
