@@ -87,7 +87,8 @@ TORCHRUN_OPTIONS = (
     ),
     TorchrunOption(
         ("--max-restarts", "--max_restarts"), "N", "used",
-        "restart the ranks up to N times after a lost worker or RetryableError",
+        "restart the ranks up to N times after a lost worker, RetryableError or "
+        "InfrastructureError",
     ),
     TorchrunOption(
         ("-m", "--module"), None, "used",
@@ -235,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="restart the ranks from the start of the script up to N times after a failure "
-        "(a lost worker, dask_ddp.RetryableError); default 0",
+        "(a lost worker, dask_ddp.RetryableError, dask_ddp.InfrastructureError); default 0",
     )
     parser.add_argument(
         "--checkpoint-dir",

@@ -186,8 +186,10 @@ def launch(
         view, and still in the worker's own log.
     max_restarts : int, optional
         How many times to place the job again and rerun ``fn`` when a rank's worker is
-        lost (killed, out of memory, removed) in a fixed-size job, or a rank raises
-        :class:`~dask_ddp.RetryableError`. Each rerun sees ``get_context().attempt``
+        lost (killed, out of memory, removed) in a fixed-size job, a rank raises
+        :class:`~dask_ddp.RetryableError`, or what runs the job fails a rank (an
+        :class:`~dask_ddp.InfrastructureError`: the rendezvous, the job's store, a sample
+        fetch). Each rerun sees ``get_context().attempt``
         incremented and ``get_checkpoint()`` returning the last checkpoint. 0 (default)
         fails the job instead.
     checkpoint_dir : str, optional
