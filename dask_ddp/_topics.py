@@ -1,11 +1,11 @@
 """Client-side topic subscriptions that share the client's one handler per topic.
 
-``Client.subscribe_topic`` keeps one handler per topic per client, so two jobs watching the
-same topic (a worker's address for its removal, the scheduler's ``"all"`` for workers that
-join) would replace each other's handler, and a user's own. :func:`follow` fans one
-subscription out to every listener of that client, keeps calling a handler the user set
-before, and gives it back when the last listener leaves. Handlers run on the client's
-event loop: they must not block.
+``Client.subscribe_topic`` keeps one handler per topic per client, so two views of the same
+job in one client (two ``attach`` calls, a ``Job`` and a user's own subscription to its
+topic) would replace each other's handler. :func:`follow` fans one subscription out to
+every listener of that client, keeps calling a handler the user set before, and gives it
+back when the last listener leaves. Handlers run on the client's event loop: they must not
+block.
 """
 
 from __future__ import annotations
