@@ -35,6 +35,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -690,7 +691,7 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
     # (a DDP script's ranks import it, as under torchrun; _template.LEAN).
     call("dask_ddp._template:start_here", lean=True)
     scratch = tempfile.mkdtemp(prefix="dask-ddp-")
-    code = 1
+    code, cluster = 1, None
     try:
         cluster = LocalCluster(
             n_workers=n,
@@ -714,7 +715,7 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
         log.exception("dask_ddp: the command failed")
     finally:
         signals.ignore_from_now()
-        _exit_now(code, scratch)
+        _exit_now(code, scratch, cluster)
     return code  # not reached: _exit_now does not return
 
 
@@ -743,26 +744,77 @@ def _result_saying_stalls(job: Any) -> list[Any]:
     return job.result()
 
 
-def _exit_now(code: int, scratch: str) -> None:
+def _exit_now(code: int, scratch: str, cluster: Any = None) -> None:
     """End the command at once, with every process it started.
 
     The job is over and its results are printed: a graceful close of the cluster would
     wait for workers that may be stuck in a collective or still tearing torch down (the
-    nanny waits seconds before it kills them). The workers die with this process
-    (``PR_SET_PDEATHSIG``, set by :mod:`dask_ddp._preload`); the rest of its children
-    (the spawn context's resource tracker, a worker that had not yet set it) are killed
-    here.
+    nanny waits seconds before it kills them). Every process under this one (workers,
+    their template, rank processes) is killed, and the command exits once they are gone,
+    as torchrun does: a shell or a scheduler that starts the next command finds none of
+    them still exiting. ``cluster``'s nannies are told first that they are closing, so
+    that none starts its worker again meanwhile.
     """
+    from multiprocessing import resource_tracker
+
     import psutil
+    from distributed.core import Status
 
     logging.disable(logging.CRITICAL)  # the nanny would report each worker it sees killed
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            child.kill()
+    for nanny in getattr(cluster, "workers", {}).values():
+        nanny.status = Status.closing  # what Nanny.close() sets first: no restart
+    # The spawn context's resource tracker goes last, and at once before the exit: this
+    # process, reaping its workers, still tells it what they left, and a tracker killed
+    # earlier is started again to hear that (printing a traceback for each name).
+    tracker = resource_tracker._resource_tracker._pid  # private: its pid, None if none
+    children = psutil.Process().children(recursive=True)
+    _kill_and_wait([c for c in children if c.pid != tracker], _EXIT_WAIT)
+    for child in children:
+        if child.pid == tracker:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
     shutil.rmtree(scratch, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+_EXIT_WAIT = 10.0  # seconds: the most the command waits for its killed processes to end
+
+
+def _kill_and_wait(processes: Sequence[Any], timeout: float) -> None:
+    """SIGKILL ``processes`` (``psutil.Process``) and wait until each one has ended (a
+    zombie has), up to ``timeout``. On Linux through a pidfd per process, opened before
+    the kill (no pid reuse can redirect it) and polled for its end; elsewhere through
+    psutil."""
+    import psutil
+
+    if not hasattr(os, "pidfd_open"):
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(processes, timeout=timeout)
+        return
+    import select
+
+    poller, fds = select.poll(), []
+    for process in processes:
+        try:
+            fd = os.pidfd_open(process.pid)
+        except OSError:  # gone already
+            continue
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        poller.register(fd, select.POLLIN)
+        fds.append(fd)
+    deadline = time.monotonic() + timeout
+    left = len(fds)
+    while left and (wait := deadline - time.monotonic()) > 0:
+        for fd, _ in poller.poll(wait * 1000):
+            poller.unregister(fd)
+            left -= 1
+    for fd in fds:
+        os.close(fd)
 
 
 def _wait_for_own_workers(client: Any, opts: argparse.Namespace) -> bool:
@@ -838,8 +890,6 @@ def _attach_hint(client: Any, job: Any) -> str:
 def _run_job(
     client: Any, opts: argparse.Namespace, scratch: str, signals: _Signals, *, own_cluster: bool
 ) -> int:
-    import time
-
     from .dispatch import _launch_script
     from .errors import DaskDDPError
 

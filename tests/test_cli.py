@@ -83,8 +83,10 @@ def _alive_in_group(pgid: int) -> list[psutil.Process]:
 
 
 def _assert_group_empty(pgid: int) -> None:
-    _, alive = psutil.wait_procs(_alive_in_group(pgid), timeout=5)
-    assert not alive, [p.cmdline() for p in alive]
+    """Nothing the command started is alive once it exited: it waits for its processes' end
+    (a shell's next command, or an outside timer, finds none of them still exiting)."""
+    alive = _alive_in_group(pgid)
+    assert not alive, [(p.pid, p.info["status"], p.cmdline()) for p in alive]
 
 
 def _stamp(text: str, word: str) -> list[float]:
@@ -132,6 +134,23 @@ def test_exits_promptly_after_success_leaving_nothing(tmp_path: Path) -> None:
     assert len(finished) == 2, done.stdout
     assert ended - max(finished) < EXIT_LIMIT, ended - max(finished)
     _assert_group_empty(pgid)
+
+
+def test_the_command_s_processes_are_gone_when_it_exits() -> None:
+    # A killed process with much memory takes a while to end (its pages are freed): the
+    # command waits for that, as for its workers, template and ranks, before it exits.
+    from dask_ddp.__main__ import _kill_and_wait
+
+    big = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; b = bytearray(2 << 30); print(1, flush=True); "
+         "time.sleep(600)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert big.stdout.readline() == b"1\n"  # its 2 GiB touched
+    process = psutil.Process(big.pid)
+    _kill_and_wait([process], timeout=30)
+    assert process.status() == psutil.STATUS_ZOMBIE  # ended; only its exit status is left
+    big.wait()
 
 
 WHERE_FORKED = """\
