@@ -8,9 +8,13 @@ Tests that kill or restart workers start their own cluster instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import shutil
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -55,7 +59,20 @@ def client(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Cl
     with Client(cluster) as client:
         client.wait_for_workers(2, timeout="60s")
         yield client
-        left = leftovers(client)
+        # A worker whose event loop is blocked never answers: the test fails with where
+        # its threads are, while they are still there (the scheduler restarts a worker
+        # that missed its heartbeats for minutes, and its stacks go with it).
+        asking = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            left = asking.submit(leftovers, client).result(timeout=_ANSWER_WITHIN)
+        except concurrent.futures.TimeoutError:
+            pytest.fail(
+                f"{request.node.nodeid}: the shared cluster did not answer within "
+                f"{_ANSWER_WITHIN} s after the test; its workers' stacks:\n{stacks_of(cluster)}",
+                pytrace=False,
+            )
+        finally:
+            asking.shutdown(wait=False)
         if left:
             clean_up(client)
             pytest.fail(
@@ -63,6 +80,27 @@ def client(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Cl
                 "(cancel or wait for its jobs before it ends; the cluster was cleaned up)",
                 pytrace=False,
             )
+
+
+_ANSWER_WITHIN = 150  # seconds: what leftovers() takes at most on a cluster that answers
+
+
+def stacks_of(cluster: LocalCluster) -> str:
+    """Every thread's Python stack in ``cluster``'s worker processes (py-spy, a test
+    dependency; "" without it), for a test that found a worker unresponsive."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy is None:
+        return ""
+    dumps = []
+    for name, nanny in list(cluster.workers.items()):
+        process = getattr(nanny, "process", None)
+        pid = getattr(process, "pid", None)
+        if pid is None:
+            continue
+        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        dumps.append(f"--- worker {name} (pid {pid})\n{done.stdout}{done.stderr}")
+    return "\n".join(dumps)
 
 
 @pytest.fixture
