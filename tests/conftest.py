@@ -82,7 +82,7 @@ def client(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Cl
             )
 
 
-_ANSWER_WITHIN = 150  # seconds: what leftovers() takes at most on a cluster that answers
+_ANSWER_WITHIN = 90  # seconds: leftovers() takes at most 60 + 5 on a cluster that answers
 
 
 def stacks_of(cluster: LocalCluster) -> str:
