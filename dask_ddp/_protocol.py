@@ -441,7 +441,7 @@ class EventPlan:
     # per rank per interval, idle or busy; with a shorter idle interval, a rank reporting a
     # little less often than a busy one would send more events than it.
     flush_interval: float = 0.05
-    max_event_bytes: int = 65536  # ddp.max-event-bytes
+    max_event_bytes: int = 64_000  # ddp.max-event-bytes (64kB)
 
 
 @dataclasses.dataclass(frozen=True)

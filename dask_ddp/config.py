@@ -49,7 +49,7 @@ class Settings:
     gpu_count: int | None
     threads_per_rank: int | None
     tune_malloc: bool = True
-    max_event_bytes: int = 65536
+    max_event_bytes: int = 64_000  # ddp.max-event-bytes: 64kB
     event_flush_interval: float = 0.05
     job_event_rate: float = 2000.0
     event_drain_timeout: float = 10.0
