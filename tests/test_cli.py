@@ -155,8 +155,11 @@ def test_the_command_s_processes_are_gone_when_it_exits() -> None:
 
 WHERE_FORKED = """\
 import os, sys, psutil
-print("FORKED-FROM", os.getppid(), psutil.Process(os.getppid()).ppid(), flush=True)
-print("PRELOADED", "torch.distributed" in sys.modules, "torch._dynamo" in sys.modules, flush=True)
+parent = os.getppid()
+# One write a line: the ranks share the terminal (unbuffered, print writes each piece)
+os.write(1, f"FORKED-FROM {parent} {psutil.Process(parent).ppid()}\\n".encode())
+found = ["torch.distributed" in sys.modules, "torch._dynamo" in sys.modules]
+os.write(1, f"PRELOADED {found[0]} {found[1]}\\n".encode())
 """
 
 
