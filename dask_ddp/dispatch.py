@@ -189,9 +189,9 @@ def launch(
         lost (killed, out of memory, removed) in a fixed-size job, a rank raises
         :class:`~dask_ddp.RetryableError`, or what runs the job fails a rank (an
         :class:`~dask_ddp.InfrastructureError`: the rendezvous, the job's store, a sample
-        fetch). Each rerun sees ``get_context().attempt``
-        incremented and ``get_checkpoint()`` returning the last checkpoint. 0 (default)
-        fails the job instead.
+        fetch). Each rerun sees ``get_context().attempt`` incremented and
+        ``get_checkpoint()`` returning the last checkpoint. 0 (default) fails the job
+        instead.
     checkpoint_dir : str, optional
         Any fsspec URL (``s3://bucket/run1``, a local path the workers share) where
         :func:`dask_ddp.save_checkpoint` writes and :func:`dask_ddp.get_checkpoint` reads.
