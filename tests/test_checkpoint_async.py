@@ -313,7 +313,7 @@ def test_a_save_without_buffers_is_copied_on_its_device_and_moved_off_the_traini
     tmp_path, caplog
 ) -> None:
     # A GPU state's first save finds no pinned buffers, and pinning them in the save would
-    # stall it (0.46 s per GB on an H100): it is copied on the GPU, and the writer moves
+    # stall it (pinning costs many times a copy): it is copied on the GPU, and the writer moves
     # the copy into pinned buffers. Here the CPU stands in for the GPU.
     asked: list[tuple[str, int]] = []
 
