@@ -372,18 +372,34 @@ def worker_environ() -> dict[str, str]:
 
 
 def fork_from_template(worker: Any, target: Callable[..., None], args: tuple, name: str) -> Any:
-    """(In a thread of ``worker``'s.) Start ``target(*args)`` in a daemonic process forked
-    from the worker's template (a ``TemplateProcess``); a template that went since it was
-    found (its nanny's, then started again) is found again first."""
+    """(In a thread of ``worker``'s.) Start ``target(*args)`` in a daemonic helper process
+    forked from the worker's template (a ``TemplateProcess``), with the worker's
+    environment (:func:`worker_environ`) and a terminal's Ctrl-C left to the worker; a
+    template that went since it was found (its nanny's, then started again) is found again
+    first."""
     from . import _process, _template
 
+    helper = (target, args, worker_environ())
+
     def start() -> Any:
-        process = _template.TemplateProcess(target=target, args=args, name=name, daemon=True)
+        process = _template.TemplateProcess(
+            target=_helper_main, args=helper, name=name, daemon=True
+        )
         with _process.children_allowed(True):
             process.start()
         return process
 
     return _again_if_lost(worker, start)
+
+
+def _helper_main(target: Callable[..., None], args: tuple, environ: dict[str, str]) -> None:
+    """A helper process of a worker's (:func:`fork_from_template`): a terminal's Ctrl-C
+    (SIGINT to the command line's process group) is its worker's to take, and the job's
+    stop that follows ends what the helper serves."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 def _again_if_lost(worker: Any, start: Callable[[], Any]) -> Any:
@@ -410,9 +426,7 @@ def count_gpus(worker: Any) -> int:
     could not use it), nor does a spare before its rank's CUDA_VISIBLE_DEVICES is set."""
     reader, writer = multiprocessing.Pipe(duplex=False)
     try:
-        process = fork_from_template(
-            worker, _count_gpus, (writer, worker_environ()), "dask-ddp-gpus"
-        )
+        process = fork_from_template(worker, _count_gpus, (writer,), "dask-ddp-gpus")
         writer.close()
         try:
             count = reader.recv()
@@ -429,10 +443,7 @@ def count_gpus(worker: Any) -> int:
         writer.close()
 
 
-def _count_gpus(conn: Any, environ: dict[str, str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: its worker's to take
-    os.environ.clear()
-    os.environ.update(environ)
+def _count_gpus(conn: Any) -> None:
     import torch
 
     conn.send(torch.cuda.device_count())

@@ -17,7 +17,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import signal
 import threading
 import weakref
 from datetime import timedelta
@@ -87,9 +86,7 @@ def _current(worker: Any) -> _Host:
 
         ours, theirs = multiprocessing.Pipe(duplex=True)
         try:
-            process = _rankproc.fork_from_template(
-                worker, _host_main, (theirs, _rankproc.worker_environ()), "dask-ddp-stores"
-            )
+            process = _rankproc.fork_from_template(worker, _host_main, (theirs,), "dask-ddp-stores")
         finally:
             theirs.close()
         _host = _Host(process, ours)
@@ -176,13 +173,10 @@ def open_store(worker: Any, host: str, timeout: float) -> RemoteStore:
     return RemoteStore(store_host, store_id, port)
 
 
-def _host_main(conn: Any, environ: dict[str, str]) -> None:
-    """The store host: open, call and close stores as its worker asks, until it goes. A
-    terminal's Ctrl-C (SIGINT to the command line's process group) is not for it: the
-    job's stop that follows releases the ranks through it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.clear()
-    os.environ.update(environ)
+def _host_main(conn: Any) -> None:
+    """The store host: open, call and close stores as its worker asks, until it goes (a
+    terminal's Ctrl-C is not for it: the job's stop that follows releases the ranks
+    through it)."""
     stores: dict[int, Any] = {}
     while True:
         try:
