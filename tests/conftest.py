@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -26,7 +23,7 @@ import torch
 from distributed import Client, LocalCluster
 from leftovers import clean_up, leftovers
 from moto.server import ThreadedMotoServer
-from processes import DaskProcesses
+from processes import DaskProcesses, stacks
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -88,18 +85,11 @@ _ANSWER_WITHIN = 90  # seconds: leftovers() takes at most 60 + 5 on a cluster th
 def stacks_of(cluster: LocalCluster) -> str:
     """Every thread's Python stack in ``cluster``'s worker processes (py-spy, a test
     dependency; "" without it), for a test that found a worker unresponsive."""
-    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
-    if spy is None:
-        return ""
     dumps = []
     for name, nanny in list(cluster.workers.items()):
-        process = getattr(nanny, "process", None)
-        pid = getattr(process, "pid", None)
-        if pid is None:
-            continue
-        done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
-        dumps.append(f"--- worker {name} (pid {pid})\n{done.stdout}{done.stderr}")
+        pid = getattr(getattr(nanny, "process", None), "pid", None)
+        if pid is not None:
+            dumps.append(f"--- worker {name} (pid {pid})\n{stacks(pid)}")
     return "\n".join(dumps)
 
 

@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 
 from distributed import Client
+
+
+def stacks(pid: int) -> str:
+    """Every thread's Python stack in process ``pid``, as py-spy dumps them (a test
+    dependency; "" where it is not installed): what a test that found a process stuck
+    says of where."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy is None:
+        return ""
+    done = subprocess.run(
+        [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+    )
+    return done.stdout + done.stderr
 
 
 class Output:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from distributed import Client, Event, LocalCluster
-from processes import DaskProcesses, Output
+from processes import DaskProcesses, Output, stacks
 
 import dask_ddp
 
@@ -347,14 +346,10 @@ def _exit_code(command: Output, timeout: float) -> int:
     try:
         return command.proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
-        stacks = ""
-        if spy:
-            dump = [spy, "dump", "--pid", str(command.proc.pid)]
-            stacks = subprocess.run(dump, capture_output=True, text=True, timeout=60).stdout
+        where = stacks(command.proc.pid)
         command.proc.kill()
         command.stop()
-        pytest.fail(f"the command still ran after {timeout} s:\n{command.text()[-4000:]}\n{stacks}")
+        pytest.fail(f"the command still ran after {timeout} s:\n{command.text()[-4000:]}\n{where}")
 
 
 @pytest.mark.slow
