@@ -440,7 +440,7 @@ def after_section(args: Any, report: Report, client: Any, a: str) -> None:
     try:
         waiting.result(timeout=300)
         out["nccl job while held"] = "ran (not expected: two ranks share one GPU)"
-    except dask_ddp.BackendUnavailableError as exc:
+    except dask_ddp.errors.BackendUnavailableError as exc:
         out["nccl job while held"] = (
             f"BackendUnavailableError after {time.perf_counter() - start:.2f} s: {exc}"
         )

@@ -190,7 +190,7 @@ def save_checkpoint(
     ``keep_last``) only once it is durable. At most one checkpoint is in flight and one
     more copied: a save that finds both waits for the one in flight (its stall, in
     :attr:`CheckpointInfo.stall <dask_ddp.checkpoint.CheckpointInfo.stall>`). A write that
-    fails raises :class:`~dask_ddp.CheckpointUploadError` here at the next save, or when
+    fails raises :class:`~dask_ddp.errors.CheckpointUploadError` here at the next save, or when
     the function returns, which also waits for the last write. Each checkpoint is also kept
     in another worker's memory, from where a restart after a lost worker loads it. With
     ``checkpoint_mode="sync"`` it returns once the checkpoint is written, as before.

@@ -203,7 +203,7 @@ def _save_into_a_refusing_store(wait_first: bool) -> dict | None:
         time.sleep(0.01)  # the write fails within a few requests
     try:
         dask_ddp.save_checkpoint({"w": torch.ones(3), "step": 2}, step=2)
-    except dask_ddp.CheckpointUploadError as exc:
+    except dask_ddp.errors.CheckpointUploadError as exc:
         return {"text": str(exc), "url": exc.url, "step": exc.step,
                 "latest": dask_ddp.get_checkpoint()["step"]}  # fmt: skip
     return {"text": "no error"}
@@ -359,7 +359,7 @@ def test_the_end_raises_a_write_that_failed(s3_client, locked) -> None:
         rank=0, world_size=1, announce=lambda kind, body: None,
     )  # fmt: skip
     pending = saver.save({"w": torch.ones(2)}, step=7)
-    with pytest.raises(dask_ddp.CheckpointUploadError, match="step 7") as info:
+    with pytest.raises(dask_ddp.errors.CheckpointUploadError, match="step 7") as info:
         saver.finish()
     assert info.value.url == pending.url and info.value.step == 7
 
@@ -403,7 +403,7 @@ def test_per_rank_files_count_once_every_rank_wrote_and_keep_last_keeps_them(tmp
         saver.finish()
     assert [(s, w, sorted(f)) for s, w, f in checkpoint.list_shards(d)] == [(2, 2, [0, 1])]
     assert checkpoint.latest_shard(d, 1, 2)[1]["r"].item() == 1
-    with pytest.raises(dask_ddp.CheckpointShardsError, match="written by 2 ranks"):
+    with pytest.raises(dask_ddp.errors.CheckpointShardsError, match="written by 2 ranks"):
         checkpoint.latest_shard(d, 0, 3)
 
 

@@ -215,7 +215,9 @@ def test_a_scheduler_that_refuses_plugins_needs_the_preload(tmp_path: Path):
 
     blocked = {"DASK_DISTRIBUTED__SCHEDULER__BLOCKED_HANDLERS": '["register_scheduler_plugin"]'}
     with _cluster(tmp_path, **blocked) as client:
-        refused = pytest.raises(dask_ddp.SchedulerPluginError, match="register_scheduler_plugin")
+        refused = pytest.raises(
+            dask_ddp.errors.SchedulerPluginError, match="register_scheduler_plugin"
+        )
         with refused as info:
             dask_ddp.launch(client, train)
         assert "--preload dask_ddp" in str(info.value)

@@ -306,7 +306,9 @@ def test_unknown_name_fails_with_the_names_there_are(client: Client) -> None:
 
 
 def test_get_dataset_shard_outside_a_rank() -> None:
-    with pytest.raises(dask_ddp.NotInRankError, match=r"get_dataset_shard\(\) works only inside"):
+    with pytest.raises(
+        dask_ddp.errors.NotInRankError, match=r"get_dataset_shard\(\) works only inside"
+    ):
         dask_ddp.get_dataset_shard("train")
 
 

@@ -371,17 +371,19 @@ def test_dask_cuda_workers_keep_their_gpu_for_every_framework() -> None:
 
 
 def test_nccl_without_gpus_fails_before_launch(client: Client) -> None:
-    with pytest.raises(dask_ddp.BackendUnavailableError, match="backend='gloo'"):
+    with pytest.raises(dask_ddp.errors.BackendUnavailableError, match="backend='gloo'"):
         dask_ddp.launch(client, _seen_by_rank, args=("x",), backend="nccl")
 
 
 def test_errors_before_anything_runs(client: Client) -> None:
     lock = threading.Lock()
-    with pytest.raises(dask_ddp.NotPicklableError, match="lock"):
+    with pytest.raises(dask_ddp.errors.NotPicklableError, match="lock"):
         dask_ddp.launch(client, lambda: lock.locked())
-    with pytest.raises(dask_ddp.NotPicklableError, match="its args"):
+    with pytest.raises(dask_ddp.errors.NotPicklableError, match="its args"):
         dask_ddp.launch(client, _seen_by_rank, args=(lock,))
-    with pytest.raises(dask_ddp.PlacementError, match="more ranks than the cluster has workers"):
+    with pytest.raises(
+        dask_ddp.errors.PlacementError, match="more ranks than the cluster has workers"
+    ):
         dask_ddp.launch(client, _seen_by_rank, args=("x",), workers=3)
     assert client.run(_worker_state)  # nothing was started
 
@@ -390,7 +392,7 @@ def test_a_refused_launch_leaves_no_log_with_the_payload(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The LocalCluster's scheduler runs in this process: whatever it logs, a notebook shows.
-    with caplog.at_level(logging.DEBUG), pytest.raises(dask_ddp.PlacementError):
+    with caplog.at_level(logging.DEBUG), pytest.raises(dask_ddp.errors.PlacementError):
         dask_ddp.launch(client, _seen_by_rank, args=("x",), workers=["tcp://nowhere:1"])
     logged = caplog.text
     assert "Run Failed" not in logged and "payload" not in logged and "JobSpec" not in logged
@@ -402,13 +404,13 @@ def test_no_workers() -> None:
     with (
         LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty,
         Client(empty) as c,
-        pytest.raises(dask_ddp.NoWorkersError, match="no workers"),
+        pytest.raises(dask_ddp.errors.NoWorkersError, match="no workers"),
     ):
         dask_ddp.launch(c, _seen_by_rank, args=("x",))
 
 
 def test_get_context_outside_a_rank() -> None:
-    with pytest.raises(dask_ddp.NotInRankError, match="inside a function started by"):
+    with pytest.raises(dask_ddp.errors.NotInRankError, match="inside a function started by"):
         dask_ddp.get_context()
 
 

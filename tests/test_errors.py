@@ -4,6 +4,8 @@ pickles back from a worker with its fields."""
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import dask_ddp
 import dask_ddp.data
@@ -21,13 +23,30 @@ def _public_exceptions() -> dict[str, type]:
 
 
 def test_every_exception_is_in_dask_ddp_errors_under_its_own_name() -> None:
-    # Importable where the docs say (dask_ddp.errors, dask_ddp, and the data errors from
-    # dask_ddp.data too), always the same class under its own name: no aliases.
+    # Importable where the docs say (dask_ddp.errors, the data errors from dask_ddp.data
+    # too, the ones a user catches from dask_ddp), always the same class under its own name:
+    # no aliases.
     for name, cls in _public_exceptions().items():
         assert name.rsplit(".", 1)[1] == cls.__name__, name
         assert cls.__module__ == "dask_ddp.errors", name
-        assert getattr(errors, cls.__name__) is cls and getattr(dask_ddp, cls.__name__) is cls
-    assert set(errors.__all__) <= set(dask_ddp.__all__)
+        assert getattr(errors, cls.__name__) is cls
+    assert {n for n in dask_ddp.__all__ if n.endswith("Error")} <= set(errors.__all__)
+
+
+def test_the_package_exports_the_errors_a_user_catches_and_the_docs_name_each() -> None:
+    # docs/errors.md lists what dask_ddp exports: each with when it is raised and what to
+    # do; the rest stay in dask_ddp.errors, out of the top level.
+    page = (Path(__file__).parents[1] / "docs" / "errors.md").read_text()
+    top = {n for n in dask_ddp.__all__ if isinstance(getattr(dask_ddp, n), type)}
+    top_errors = {n for n in top if issubclass(getattr(dask_ddp, n), BaseException)}
+    listed = set(re.findall(r"^### `(\w+)`", page, re.MULTILINE))
+    assert listed == top_errors, "docs/errors.md's sections and dask_ddp's errors differ"
+    for name in top_errors:
+        section = page.split(f"### `{name}`", 1)[1].split("\n### ", 1)[0]
+        assert "Raised" in section and "What to do" in section, name
+    assert len(top_errors) <= 10
+    assert "NotInRankError" not in dask_ddp.__all__ and "NotInRankError" not in dir(dask_ddp)
+    assert dask_ddp.errors.NotInRankError.__module__ == "dask_ddp.errors"
 
 
 def test_each_outcome_of_a_job_is_one_class_to_catch() -> None:
@@ -54,22 +73,24 @@ def test_each_outcome_of_a_job_is_one_class_to_catch() -> None:
         assert not issubclass(cls, dask_ddp.InfrastructureError)
     assert issubclass(dask_ddp.data.DataNotFoundError, FileNotFoundError)
     assert issubclass(dask_ddp.data.CorruptDataError, ValueError)
-    assert issubclass(dask_ddp.RendezvousTimeoutError, TimeoutError)
-    assert issubclass(dask_ddp.CheckpointUploadError, OSError)
-    assert issubclass(dask_ddp.CheckpointShardsError, ValueError)
+    assert issubclass(dask_ddp.errors.RendezvousTimeoutError, TimeoutError)
+    assert issubclass(dask_ddp.errors.CheckpointUploadError, OSError)
+    assert issubclass(dask_ddp.errors.CheckpointShardsError, ValueError)
 
 
 def test_the_job_s_errors_pickle_and_travel_as_plain_values() -> None:
     for error in (
         dask_ddp.WorkerLostError(1, "tcp://10.0.0.7:1", "ddp_train-rank1-3f2a", finished=True),
         dask_ddp.ScaleTimeoutError("3f2a", 3, 2, 300.0),
-        dask_ddp.TooManyResizesError("3f2a", 20, 20, "shrink: rank 1 was lost"),
+        dask_ddp.errors.TooManyResizesError("3f2a", 20, 20, "shrink: rank 1 was lost"),
         dask_ddp.JobCancelledError("3f2a", "no client followed it"),
         dask_ddp.RankStoppedError(0, "ValueError: bad batch", failed_rank=1),
         dask_ddp.RankFailedError(1, "tcp://w:1", "k", "ValueError: x", "Traceback ..."),
-        dask_ddp.CheckpointUploadError(0, 20, "s3://b/r/c.pt", "PermissionError: denied", 10),
-        dask_ddp.CheckpointShardsError("s3://b/r", 40, 4, 2),
-        dask_ddp.RankDiedError(1, "tcp://w:1", "k", -9),
+        dask_ddp.errors.CheckpointUploadError(
+            0, 20, "s3://b/r/c.pt", "PermissionError: denied", 10
+        ),
+        dask_ddp.errors.CheckpointShardsError("s3://b/r", 40, 4, 2),
+        dask_ddp.errors.RankDiedError(1, "tcp://w:1", "k", -9),
         dask_ddp.JobStalledError("3f2a", "no rank progressed for 120 s", (1,)),
     ):
         again = pickle.loads(pickle.dumps(error))

@@ -72,11 +72,11 @@ def test_more_ranks_than_gpus_falls_back_to_gloo() -> None:
         waiting = dask_ddp.launch(client, dask_ddp.get_context, backend="nccl")
         Event("release", client).set()
         assert job.result(timeout=300) == list(range(n))
-        with pytest.raises(dask_ddp.BackendUnavailableError, match="GPU of its own") as info:
+        with pytest.raises(dask_ddp.errors.BackendUnavailableError, match="GPU of its own") as info:
             waiting.result(timeout=300)
         assert f"ranks but {n - 1} GPU" in str(info.value)
         # With the workers free, launch itself raises.
-        with pytest.raises(dask_ddp.BackendUnavailableError, match="GPU of its own"):
+        with pytest.raises(dask_ddp.errors.BackendUnavailableError, match="GPU of its own"):
             dask_ddp.launch(client, dask_ddp.get_context, backend="nccl")
 
 

@@ -276,9 +276,9 @@ def _hold_for(seconds: float) -> int:
 
 def test_a_name_is_unique_among_running_jobs(client: Client) -> None:
     first = dask_ddp.launch(client, _hold_for, args=(3,), name="unique-name")
-    with pytest.raises(dask_ddp.JobNameTakenError, match="unique-name"):
+    with pytest.raises(dask_ddp.errors.JobNameTakenError, match="unique-name"):
         dask_ddp.launch(client, _hold_for, args=(0,), name="unique-name")
-    with pytest.raises(dask_ddp.JobStillRunningError, match="still"):
+    with pytest.raises(dask_ddp.errors.JobStillRunningError, match="still"):
         first.forget()
     assert first.result(timeout=60) == [0, 1]
     again = dask_ddp.launch(client, _hold_for, args=(0,), name="unique-name")  # it ended

@@ -118,7 +118,7 @@ def test_report_takes_numbers_and_0d_tensors_only(client: Client) -> None:
 
 
 def test_report_outside_a_rank() -> None:
-    with pytest.raises(dask_ddp.NotInRankError, match=r"report\(\) works only inside"):
+    with pytest.raises(dask_ddp.errors.NotInRankError, match=r"report\(\) works only inside"):
         dask_ddp.report({"loss": 1.0})
 
 

@@ -119,9 +119,9 @@ def test_save_checkpoint_needs_a_directory(client: Client) -> None:
 
 
 def test_checkpoint_functions_outside_a_rank() -> None:
-    with pytest.raises(dask_ddp.NotInRankError):
+    with pytest.raises(dask_ddp.errors.NotInRankError):
         dask_ddp.get_checkpoint()
-    with pytest.raises(dask_ddp.NotInRankError):
+    with pytest.raises(dask_ddp.errors.NotInRankError):
         dask_ddp.save_checkpoint({}, step=0)
 
 

@@ -157,7 +157,7 @@ def test_handlers_and_jobs_stay_apart(client: Client, tmp_path: Path) -> None:
     ],
 )
 def test_paths_that_leave_the_prefix_are_refused(tmp_path: Path, path: str, reason: str) -> None:
-    with pytest.raises(dask_ddp.UnsafeResultPathError, match=reason):
+    with pytest.raises(dask_ddp.errors.UnsafeResultPathError, match=reason):
         _safe_target(tmp_path, path)
 
 
@@ -168,9 +168,9 @@ def test_symlinks_out_of_the_prefix_are_refused(tmp_path: Path) -> None:
     (prefix / "link").symlink_to(outside, target_is_directory=True)
     (prefix / "file.json").symlink_to(outside / "file.json")
     (prefix / "inner").symlink_to(prefix / "sub", target_is_directory=True)
-    with pytest.raises(dask_ddp.UnsafeResultPathError, match="symbolic link"):
+    with pytest.raises(dask_ddp.errors.UnsafeResultPathError, match="symbolic link"):
         _safe_target(prefix, "link/x.json")
-    with pytest.raises(dask_ddp.UnsafeResultPathError, match="symbolic link"):
+    with pytest.raises(dask_ddp.errors.UnsafeResultPathError, match="symbolic link"):
         _safe_target(prefix, "file.json")
     assert _safe_target(prefix, "inner/x.json") == (prefix / "sub" / "x.json").resolve()
     assert _safe_target(prefix, "./a/b.json") == (prefix / "a" / "b.json").resolve()
@@ -192,7 +192,7 @@ def test_escaping_results_write_nothing_outside(
     paths = ["ok/before.json", "link/escape.json", "ok/after.json"]
 
     job = dask_ddp.launch(client, _submit, args=(paths,))
-    with pytest.raises(dask_ddp.UnsafeResultPathError, match=r"link/escape\.json"):
+    with pytest.raises(dask_ddp.errors.UnsafeResultPathError, match=r"link/escape\.json"):
         rh.process_results(prefix, job.futures)
     with caplog.at_level(logging.ERROR, logger="dask_ddp.results"):
         job = dask_ddp.launch(client, _submit, args=(paths,))
@@ -205,7 +205,7 @@ def test_escaping_results_write_nothing_outside(
     job = dask_ddp.launch(client, _submit, args=(["fine.json", "../escape.json"],))
     with pytest.raises(dask_ddp.RankFailedError) as info:
         rh.process_results(prefix, job.futures)
-    assert isinstance(info.value.__cause__, dask_ddp.UnsafeResultPathError)
+    assert isinstance(info.value.__cause__, dask_ddp.errors.UnsafeResultPathError)
     assert (prefix / "fine.json").exists()
     assert not (tmp_path / "escape.json").exists()
 
@@ -246,7 +246,7 @@ def _inc(x: int) -> int:
 
 
 def test_misuse_is_refused(client: Client, tmp_path: Path) -> None:
-    with pytest.raises(dask_ddp.NotInRankError, match=r"submit_result\(\)"):
+    with pytest.raises(dask_ddp.errors.NotInRankError, match=r"submit_result\(\)"):
         rh.submit_result("x.json", "{}")
     assert "str or bytes" in dask_ddp.launch(client, _bad_data, workers=1).result(timeout=60)[0]
     with pytest.raises(dask_ddp.JobNotFoundError, match=r"dask_ddp\.dispatch\.run"):
@@ -255,9 +255,9 @@ def test_misuse_is_refused(client: Client, tmp_path: Path) -> None:
 
 def test_errors_pickle() -> None:
     for error in (
-        dask_ddp.UnsafeResultPathError("../x", "/tmp/p", "it contains '..'"),
+        dask_ddp.errors.UnsafeResultPathError("../x", "/tmp/p", "it contains '..'"),
         dask_ddp.JobNotFoundError(["k1", "k2"]),
-        dask_ddp.ChannelError(1, "job", "boom"),
+        dask_ddp.errors.ChannelError(1, "job", "boom"),
     ):
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error)
@@ -282,7 +282,7 @@ def test_payloads_are_released_on_delivery_or_when_the_job_is_forgotten(client: 
     ref = {"worker": worker, "key": "job-a/0/0", "nbytes": 10}
     fetched = client.sync(_reader.fetch_blob, client, ref)
     assert fetched == [[_protocol.RESULT, ["k", "x.bin", b"x" * 10]]]
-    with pytest.raises(dask_ddp.ChannelError, match="no longer holds"):
+    with pytest.raises(dask_ddp.errors.ChannelError, match="no longer holds"):
         client.sync(_reader.fetch_blob, client, ref)  # handed over once, then forgotten
     client.run(_hold_payload, "job-b", workers=[worker])
     assert client.run(events.drop_held, "job-b", workers=[worker]) == {worker: 1}

@@ -96,12 +96,12 @@ class _Shard:
 
 
 def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None:
-    with pytest.raises(dask_ddp.NotInRankError, match="get_context"):
+    with pytest.raises(dask_ddp.errors.NotInRankError, match="get_context"):
         dask_ddp.get_context()
     run = _run()
     assert PROCESS.claim(run, timeout=1)
     try:
-        with pytest.raises(dask_ddp.NotInRankError):
+        with pytest.raises(dask_ddp.errors.NotInRankError):
             dask_ddp.get_context()  # claimed, but the function has not started
         shard = _Shard()
         with _activated(run, _context(), CheckpointSettings(None)) as ctx:
@@ -109,7 +109,7 @@ def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None
             assert dask_ddp.get_checkpoint() is None  # no checkpoint_dir
             run.dataset_shards["train"] = shard
         assert shard.closed and run.context is None and run.dataset_shards == {}
-        with pytest.raises(dask_ddp.NotInRankError, match="report"):
+        with pytest.raises(dask_ddp.errors.NotInRankError, match="report"):
             dask_ddp.report({"loss": 1.0})
     finally:
         PROCESS.release(run)
