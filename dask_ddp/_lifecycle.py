@@ -7,8 +7,12 @@ decides what it means, and only it::
 
     life, actions = step(life, fact, policy, now)
 
-It reads typed fields (a rank's :class:`~dask_ddp._protocol.Verdict`, whether an action's
-failure may be retried), never an exception's text, and it does nothing itself: the
+It reads typed fields (a rank's :class:`~dask_ddp._protocol.Verdict`, the workers that left
+while an attempt was placed), never an exception's text, and it decides everything the
+job's driver then says and raises: the error a job ends with (a typed exception on the
+:class:`Publish` that says so, built from typed fields), what ``launch()`` raises
+(:class:`Finish`), the error a lost rank's future raises (:class:`FailTask`), the notes. It
+does nothing itself: the
 supervisor (:mod:`dask_ddp.supervise`) carries out the *actions* it returns (ask the pool,
 place an attempt, abort ranks, restart workers, give workers back, publish a transition,
 arm a timer) and feeds what comes of them back in as facts. Nothing here touches a
@@ -43,7 +47,8 @@ import enum
 from collections.abc import Iterable
 from typing import Any
 
-from ._protocol import RankOutcome, Verdict
+from . import errors
+from ._protocol import RankOutcome, Verdict, run_id_of
 from ._types import JobState
 
 __all__ = [
@@ -138,13 +143,28 @@ class Ending:
     lost: bool = False  # a worker or a peer's process went away: an elastic job shrinks
     detail: tuple[Any, ...] = ()  # SCALE: (need, have, waited); RESIZES: (count, limit)
 
+    @property
+    def headline(self) -> str:
+        """What ended it, in a few words (a stopped rank's status says it)."""
+        if self.kind in (EndKind.RANK, EndKind.TASK):
+            return f"rank {self.rank} failed"
+        if self.kind is EndKind.LOST:
+            return f"rank {self.rank} was lost"
+        if self.kind is EndKind.STOPPED:
+            return "a peer's process died" if self.lost else f"rank {self.rank} stopped"
+        return self.kind.value
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """What a job may do, fixed at launch (from ``launch()`` and ``ddp.*``)."""
+    """What a job may do, fixed at launch (from ``launch()`` and ``ddp.*``): how many
+    workers it runs on (at least ``min_workers``, at most ``max_workers``, checked against
+    the cluster at launch), how often it restarts and resizes, its timeouts; ``job`` is its
+    id, which its errors name."""
 
     min_workers: int
     max_workers: int
+    job: str = "job"
     max_restarts: int = 0
     max_resizes: int | None = 20  # None: no limit
     failure_grace: float = 5.0
@@ -163,6 +183,7 @@ class RankLife:
     """One rank of the current attempt, as far as its worker's cleanliness goes."""
 
     worker: str
+    key: str = "?"  # its task's key
     started: bool = False
     outcome: RankOutcome | None = None
     task: str | None = None  # "memory" or "erred", once its task ended
@@ -258,10 +279,12 @@ class Grew:
 @dataclasses.dataclass(frozen=True)
 class Placed:
     """Attempt ``attempt`` was placed and its rank tasks submitted, rank ``i`` on
-    ``workers[i]``."""
+    ``workers[i]`` as task ``keys[i]``; the workers are on ``hosts`` hosts."""
 
     attempt: int
     workers: tuple[str, ...]
+    keys: tuple[str, ...] = ()
+    hosts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,14 +396,14 @@ class ActionKind(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ActionFailed:
-    """An action could not be carried out. ``retry``: placing may be tried again (a worker
-    left while it was probed); ``error``: the exception, for the job's error."""
+    """An action could not be carried out. ``workers``: those it was for (``RELEASE``,
+    ``RESTART``), or, for ``PLACE``, the attempt's workers that had left the cluster when it
+    failed; ``error``: the exception, for the job's error."""
 
     action: ActionKind
     attempt: int = 0
     workers: frozenset[str] = frozenset()
     error: Any = None
-    retry: bool = False
     why: str = ""
 
 
@@ -455,14 +478,17 @@ class RestartWorkers:
 
 @dataclasses.dataclass(frozen=True)
 class FailTask:
-    """Fail rank ``rank``'s task, left without its worker, so that its future says why
-    (``finished``: the rank had finished; its value was lost with the worker)."""
+    """Fail rank ``rank``'s task, left without its worker, with ``error``, so that its
+    future says why (a :class:`~dask_ddp.errors.WorkerLostError`, ``finished`` when its
+    value went with the worker; a :class:`~dask_ddp.errors.RankStoppedError` when the
+    attempt was being stopped already); ``status``: the rank's status to show, if it
+    changes."""
 
     attempt: int
     rank: int
     worker: str
-    finished: bool = False
-    stopped: str | None = None  # the attempt was being stopped already, for this reason
+    error: BaseException
+    status: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,21 +544,27 @@ class Disarm:
 @dataclasses.dataclass(frozen=True)
 class Publish:
     """Enter ``state``: one history entry, one log line, one message to the clients.
-    ``ending``: what ended the attempt (the job's error, once final)."""
+    ``ending``: what ended the attempt; ``error``: the error the job ends with, once its
+    end is decided (a final state, or ``stopping`` towards one); ``new_attempt``: the
+    first ``running`` of an attempt."""
 
     state: JobState
     reason: str
     attempt: int
     world_size: int
     ending: Ending | None = None
+    error: BaseException | None = None
+    new_attempt: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Waiting:
-    """Say what the job waits for (once per change of what it waits for)."""
+    """Say what the job waits for (once per change of what it waits for); ``announce``:
+    it waits for another kind of thing than before (a line in the log and the views)."""
 
     wait: Wait
     seconds_left: float | None
+    announce: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,7 +574,11 @@ class Note:
 
 @dataclasses.dataclass(frozen=True)
 class Finish:
-    """The job is over: what is left of it (datasets, replicas) goes; it says so."""
+    """The job is over: what is left of it (datasets, replicas) goes; it says so.
+    ``error``: what ``launch()`` raises, for a job that failed before any attempt was
+    placed (None: ``launch()`` returns the job)."""
+
+    error: BaseException | None = None
 
 
 Action = (
@@ -677,12 +713,18 @@ class _Step:
         life = self.life
         if life.phase is not Phase.PLACING or fact.attempt != life.attempt:
             return
-        ranks = tuple(RankLife(w, lost=w not in life.held) for w in fact.workers)
+        keys = fact.keys or ("?",) * len(fact.workers)
+        ranks = tuple(
+            RankLife(w, k, lost=w not in life.held) for w, k in zip(fact.workers, keys, strict=True)
+        )
         self.set(phase=Phase.RUNNING, ranks=ranks, grow_requested=False, stalled=False)
         if life.cancel is not None:  # asked while the attempt was being placed
             self.end(Ending(EndKind.CANCELLED, life.cancel))
             return
-        self.publish(JobState.RUNNING, f"{len(ranks)} ranks")
+        hosts = "host" if fact.hosts == 1 else "hosts"
+        self.publish(
+            JobState.RUNNING, f"{len(ranks)} ranks on {fact.hosts} {hosts}", new_attempt=True
+        )
         self.evaluate()
 
     def on_RankStarted(self, fact: RankStarted) -> None:
@@ -712,16 +754,28 @@ class _Step:
         self.set(held=life.held - {fact.worker})
         if life.phase not in (Phase.RUNNING, Phase.STOPPING, Phase.ENDED):
             return
-        stopped = life.ending.why if life.ending is not None else None
+        ending = life.ending
         for r, rank in enumerate(life.ranks):
             if rank.worker != fact.worker or rank.lost:
                 continue
             done = rank.outcome is not None and rank.outcome.verdict is Verdict.DONE
             if rank.task == "memory" or (rank.task is None and done):
                 # Its value was there: its future says it went with the worker.
-                self.actions.append(FailTask(life.attempt, r, rank.worker, finished=True))
+                lost = errors.WorkerLostError(r, rank.worker, rank.key, finished=True)
+                self.actions.append(FailTask(life.attempt, r, rank.worker, lost))
+            elif rank.task is None and ending is not None:  # stopped already, for this
+                run = run_id_of(self.policy.job, life.attempt)
+                stopped = errors.RankStoppedError(r, ending.why, job=run)
+                self.actions.append(
+                    FailTask(life.attempt, r, rank.worker, stopped, f"stopped: {ending.headline}")
+                )
             elif rank.task is None:
-                self.actions.append(FailTask(life.attempt, r, rank.worker, stopped=stopped))
+                lost = errors.WorkerLostError(r, rank.worker, rank.key)
+                self.actions.append(
+                    FailTask(
+                        life.attempt, r, rank.worker, lost, "lost: its worker left the cluster"
+                    )
+                )
             self.update(r, lost=True)
         self.progress()
 
@@ -853,7 +907,7 @@ class _Step:
                 return
             if life.cancel is not None:
                 self.finish(JobState.CANCELLED, Ending(EndKind.CANCELLED, life.cancel))
-            elif fact.retry:
+            elif fact.workers:  # a worker left while it was placed: without it, again
                 self.set(phase=Phase.WAITING)
                 self.actions.append(Note(f"placing attempt {life.attempt} again: {fact.why}"))
                 self.ask()
@@ -1069,13 +1123,15 @@ class _Step:
         self.ask()
 
     def finish(self, state: JobState, ending: Ending) -> None:
-        """The job ends in ``state``: every worker it holds goes back, then it says so."""
+        """The job ends in ``state``: every worker it holds goes back, then it says so.
+        ``launch()`` raises the job's error if it failed before any attempt was placed."""
         life = self.life
+        never_placed = life.attempt == 0 and not life.ranks
         self.disarm(*(t for t, _ in life.timers))
         self.release(life.held)
         self.set(phase=Phase.ENDED, held=frozenset(), ending=ending, next_state=state)
-        self.publish(state, self.reason(state, ending), ending)
-        self.actions.append(Finish())
+        error = self.publish(state, self.reason(state, ending), ending)
+        self.actions.append(Finish(error if state is JobState.FAILED and never_placed else None))
 
     # -- workers --------------------------------------------------------------------------
     def need(self) -> int:
@@ -1105,7 +1161,8 @@ class _Step:
             self.set(wait=wait)
             if life.attempt == 0 and life.state is JobState.WAITING and life.wait is None:
                 self.publish(JobState.WAITING, wait_text(wait, left))  # the job's first wait
-            self.actions.append(Waiting(wait, left))
+            announce = life.wait is None or life.wait.kind is not wait.kind
+            self.actions.append(Waiting(wait, left, announce))
 
     def release(self, workers: Iterable[str]) -> None:
         workers = frozenset(workers)
@@ -1116,11 +1173,60 @@ class _Step:
         if self.policy.elastic:
             self.actions.append(Demand(max(0, self.policy.max_workers - len(self.life.held))))
 
-    def publish(self, state: JobState, reason: str, ending: Ending | None = None) -> None:
+    def publish(
+        self,
+        state: JobState,
+        reason: str,
+        ending: Ending | None = None,
+        *,
+        new_attempt: bool = False,
+    ) -> BaseException | None:
+        """Enter ``state``; once the job's end is decided, with the error it ends with
+        (returned)."""
         life = self.life
         world = len(life.ranks) if state is not JobState.WAITING else 0
+        final = state if state.final else None
+        if state is JobState.STOPPING and life.next_state is not None and life.next_state.final:
+            final = life.next_state
+        error = self.error_of(final, ending) if final is not None else None
         self.set(state=state)
-        self.actions.append(Publish(state, reason, life.attempt, world, ending))
+        self.actions.append(Publish(state, reason, life.attempt, world, ending, error, new_attempt))
+        return error
+
+    def error_of(self, state: JobState, ending: Ending | None) -> BaseException | None:
+        """The error a job that ends in ``state`` ends with (``Job.result()`` raises it),
+        built from how its attempt ended: typed fields only."""
+        job = self.policy.job
+        if state is JobState.CANCELLED:
+            return errors.JobCancelledError(job, ending.why if ending else "cancelled")
+        if state is not JobState.FAILED or ending is None:
+            return None
+        kind, ranks = ending.kind, self.life.ranks
+        rank = ending.rank if ending.rank is not None else 0
+        key = ranks[rank].key if rank < len(ranks) else "?"
+        worker = ending.worker or "?"
+        outcome = ending.outcome
+        if kind is EndKind.RANK and outcome is not None:
+            return errors.RankFailedError(rank, worker, key, outcome.summary, outcome.traceback)
+        if kind is EndKind.TASK:
+            summary = ranks[rank].task_summary if rank < len(ranks) else ending.why
+            return errors.RankFailedError(rank, worker, key, summary)
+        if kind is EndKind.LOST:
+            return errors.WorkerLostError(rank, worker, key)
+        if kind is EndKind.STOPPED and outcome is not None:
+            first = -1 if outcome.peer_lost else outcome.failed_rank
+            return errors.RankStoppedError(rank, outcome.summary, failed_rank=first)
+        if kind is EndKind.PLACEMENT and isinstance(ending.error, BaseException):
+            return ending.error
+        if kind is EndKind.SCALE:
+            need, have, waited = ending.detail
+            return errors.ScaleTimeoutError(job, need, have, waited)
+        if kind is EndKind.RESIZES:
+            count, limit = ending.detail
+            return errors.TooManyResizesError(job, count, limit, ending.why)
+        if kind is EndKind.STALLED:
+            return errors.JobStalledError(job, ending.why, ending.detail)
+        return errors.DaskDDPError(ending.why)
 
 
 def wait_text(wait: Wait, left: float | None) -> str:

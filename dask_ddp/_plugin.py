@@ -52,7 +52,7 @@ from .errors import (
     to_wire,
 )
 from .placement import select_workers
-from .supervise import Size, Supervisor
+from .supervise import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -310,23 +310,24 @@ class DaskDDPPlugin(SchedulerPlugin):
             raise
         return job.public_state()
 
-    def _size(self, spec: JobSpec) -> tuple[Size, JobSpec]:
-        """The job's size, checked against the cluster (and its named workers resolved)."""
+    def _size(self, spec: JobSpec) -> tuple[tuple[int, int], JobSpec]:
+        """The job's size, at least and at most, checked against the cluster (and its named
+        workers resolved)."""
         workers = self.scheduler.workers
         requested = spec.workers
         if spec.min_workers is not None and isinstance(requested, int):
-            return Size(spec.min_workers, requested), spec  # elastic: the cluster may grow
+            return (spec.min_workers, requested), spec  # elastic: the cluster may grow
         if not workers and not (spec.adaptive and isinstance(requested, int)):
             raise NoWorkersError(self.scheduler.address)
         if isinstance(requested, int) and spec.adaptive and requested > len(workers):
-            return Size(requested, requested), spec  # an adaptive cluster grows into it
+            return (requested, requested), spec  # an adaptive cluster grows into it
         if isinstance(requested, list):
             by_name = {str(ws.name): address for address, ws in workers.items()}
             requested = [r if r in workers else by_name.get(str(r), r) for r in requested]
         chosen = select_workers({a: ws.host for a, ws in workers.items()}, requested)
         if isinstance(requested, list):
             spec = dataclasses.replace(spec, workers=list(chosen))
-        return Size(len(chosen), len(chosen)), spec
+        return (len(chosen), len(chosen)), spec
 
     def find(self, job: str) -> Supervisor:
         """The job of id ``job``, else the newest of that name (a running one first)."""

@@ -41,13 +41,7 @@ from ._protocol import RankOutcome, Told, job_topic
 from ._types import CheckpointInfo, JobSpec, JobState, Transition
 from .errors import (
     DaskDDPError,
-    JobCancelledError,
-    RankFailedError,
-    RankStoppedError,
-    ScaleTimeoutError,
-    TooManyResizesError,
     WireVersionError,
-    WorkerLostError,
 )
 from .placement import WorkerInfo, order_workers
 
@@ -72,18 +66,6 @@ class Host(Protocol):
     def unwatch_keys(self, keys: list[Any]) -> None: ...
 
     def job_ended(self, job: Supervisor) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Size:
-    """How many workers a job runs on: at least ``min_workers``, at most ``max_workers``."""
-
-    min_workers: int
-    max_workers: int
-
-    @property
-    def elastic(self) -> bool:
-        return self.min_workers < self.max_workers
 
 
 def first_line(error: BaseException) -> str:
@@ -113,20 +95,24 @@ class Supervisor:
         The scheduler plugin: its scheduler, its own client, the worker pool.
     spec : JobSpec
         The job as its client sent it.
-    size : Size
-        How many workers it runs on, checked against the cluster at launch.
+    size : (int, int)
+        How many workers it runs on, at least and at most, checked against the cluster at
+        launch (the job's :class:`~dask_ddp._lifecycle.Policy` keeps them).
     datasets : optional
         The job's Dask collections, planned again for each attempt.
     """
 
-    def __init__(self, plugin: Host, spec: JobSpec, size: Size, datasets: Any = None) -> None:
-        self.plugin, self.spec, self.size = plugin, spec, size
+    def __init__(
+        self, plugin: Host, spec: JobSpec, size: tuple[int, int], datasets: Any = None
+    ) -> None:
+        self.plugin, self.spec = plugin, spec
         self.job_id = spec.job_id
         self.topic = job_topic(spec.job_id)
         self.settings = settings = spec.settings
         self.policy = lc.Policy(
-            min_workers=size.min_workers,
-            max_workers=size.max_workers,
+            min_workers=size[0],
+            max_workers=size[1],
+            job=spec.job_id,
             max_restarts=spec.max_restarts,
             max_resizes=settings.max_resizes,
             failure_grace=settings.failure_grace,
@@ -157,7 +143,6 @@ class Supervisor:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._since = self.started  # when the job last stopped training
         self._restored: tuple[str | None, int | None] = (None, None)
-        self._wait_kind: lc.WaitKind | None = None
         self._version = 0  # of the last message to the clients (they ignore older ones)
         # Stalls: when a rank of the current attempt last sent anything, and the ranks'
         # stacks at the last sample taken while none did.
@@ -338,7 +323,7 @@ class Supervisor:
         elif isinstance(action, lc.Note):
             self._note(action.text)
         elif isinstance(action, lc.Finish):
-            self._spawn(self._finish(), None, 0)
+            self._spawn(self._finish(action), None, 0)
 
     def _spawn(self, work: Any, kind: lc.ActionKind | None, attempt: int) -> None:
         """Run ``work`` on the loop; if it raises, that is a fact (``ActionFailed``)."""
@@ -444,23 +429,19 @@ class Supervisor:
         workers = list(action.workers)
         try:
             attempt = await self.launcher.prepare(
-                action.attempt, workers, can_grow=len(workers) < self.size.max_workers
+                action.attempt, workers, can_grow=len(workers) < self.policy.max_workers
             )
         except Exception as exc:
-            # A worker that left while it was probed (the pool forgot it) is tried again
-            # without it; anything else fails the job: a backend without GPUs, a dataset
-            # partition lost for good, or a bug (logged with its traceback).
-            retry = not all(w in self.plugin.scheduler.workers for w in workers)
-            if not retry and not isinstance(exc, DaskDDPError):
+            # What it saw: the workers that left meanwhile (step places the attempt again
+            # without them), and the error (step fails the job with it: a backend without
+            # GPUs, a dataset partition lost for good, or a bug, logged with its traceback).
+            gone = frozenset(w for w in workers if w not in self.plugin.scheduler.workers)
+            if not gone and not isinstance(exc, DaskDDPError):
                 logger.exception("dask-ddp job %s: placing it failed", self.job_id)
             why = (
                 first_line(exc) if isinstance(exc, DaskDDPError) else f"{type(exc).__name__}: {exc}"
             )
-            self.feed(
-                lc.ActionFailed(
-                    lc.ActionKind.PLACE, action.attempt, error=exc, retry=retry, why=why
-                )
-            )
+            self.feed(lc.ActionFailed(lc.ActionKind.PLACE, action.attempt, gone, exc, why))
             return
         last = self.attempt
         if last is not None:
@@ -474,7 +455,9 @@ class Supervisor:
         self.launcher.submit(attempt)
         # Clients hear of the placement before any of its ranks can say a word ...
         self._progress_at, self._stacks = time.monotonic(), None
-        self.feed(lc.Placed(attempt.number, tuple(attempt.workers)))
+        known = self.plugin.scheduler.workers
+        hosts = len({known[w].host for w in attempt.workers if w in known})
+        self.feed(lc.Placed(attempt.number, tuple(attempt.workers), tuple(attempt.keys), hosts))
         # ... then of its futures, once any client can read them.
         await self.launcher.publish(attempt)
         self._publish()
@@ -504,17 +487,9 @@ class Supervisor:
         a = self.attempt
         if a is None or a.number != action.attempt:
             return
-        error: BaseException
-        if action.stopped is not None:
-            error = RankStoppedError(action.rank, action.stopped, job=a.run_id)
-            self.progress.end(action.rank, f"stopped: {action.stopped.split(':', 1)[0]}")
-        else:
-            error = WorkerLostError(
-                action.rank, action.worker, a.keys[action.rank], action.finished
-            )
-            if not action.finished:
-                self.progress.end(action.rank, "lost: its worker left the cluster")
-        self.launcher.fail_lost(a, action.rank, error)
+        if action.status is not None:
+            self.progress.end(action.rank, action.status)
+        self.launcher.fail_lost(a, action.rank, action.error)
 
     def _arm(self, action: lc.Arm) -> None:
         old = self._timers.pop(action.timer, None)
@@ -628,7 +603,7 @@ class Supervisor:
                 break
 
     # -- the end ------------------------------------------------------------------------------
-    async def _finish(self) -> None:
+    async def _finish(self, action: lc.Finish) -> None:
         """The job is over (its workers went back with its final state): what is left of
         it goes, and it says so."""
         self.finished = time.time()
@@ -637,8 +612,8 @@ class Supervisor:
         self._timers.clear()
         self.plugin.pool.forget(self.job_id)
         if not self.placed.done():
-            if self.history and self.history[-1].state is JobState.FAILED and self.attempt is None:
-                self.placed.set_exception(self.error or DaskDDPError("the job failed"))
+            if action.error is not None:  # it failed before any attempt was placed
+                self.placed.set_exception(action.error)
             else:
                 self.placed.set_result(None)
         if self.ledger.holders():  # the job's replicas leave its holders' memory
@@ -663,22 +638,9 @@ class Supervisor:
         if state in (JobState.RESTARTING, JobState.RESIZING) or state.final:
             self._since = now  # training stopped here
         reason = action.reason
-        restored: tuple[str | None, int | None] = (None, None)
-        if state is JobState.RUNNING and old != JobState.STALLED.value:  # a new attempt's
-            a = self.attempt
-            hosts = len(
-                {
-                    self.plugin.scheduler.workers[w].host
-                    for w in a.workers
-                    if w in self.plugin.scheduler.workers
-                }
-            )
-            reason = f"{len(a.workers)} ranks on {hosts} hosts"
-            restored = self._restored
-        if state.final:
-            self.error = self._error_of(state, action.ending)
-        elif state is JobState.STOPPING and self.life.next_state is not None:
-            self.error = self._error_of(self.life.next_state, action.ending)
+        restored = self._restored if action.new_attempt else (None, None)
+        if state.final or action.error is not None:
+            self.error = action.error
         self.history.append(
             Transition(
                 state,
@@ -700,45 +662,12 @@ class Supervisor:
             self.placed.set_result(None)
         self._publish()
 
-    def _error_of(self, state: JobState, ending: lc.Ending | None) -> BaseException | None:
-        """The job's error, built from how it ended (for ``Job.result()`` and the views)."""
-        if state is JobState.CANCELLED:
-            return JobCancelledError(self.job_id, ending.why if ending else "cancelled")
-        if state is not JobState.FAILED or ending is None:
-            return None
-        kind, a = ending.kind, self.attempt
-        rank = ending.rank if ending.rank is not None else 0
-        key = a.keys[rank] if a is not None and rank < len(a.keys) else "?"
-        worker = ending.worker or "?"
-        outcome = ending.outcome
-        if kind is lc.EndKind.RANK and outcome is not None:
-            return RankFailedError(rank, worker, key, outcome.summary, outcome.traceback)
-        if kind is lc.EndKind.TASK:
-            return RankFailedError(rank, worker, key, ending.why.split(": ", 1)[-1])
-        if kind is lc.EndKind.LOST:
-            return WorkerLostError(rank, worker, key)
-        if kind is lc.EndKind.STOPPED and outcome is not None:
-            first = -1 if outcome.peer_lost else outcome.failed_rank
-            return RankStoppedError(rank, outcome.summary, failed_rank=first)
-        if kind is lc.EndKind.PLACEMENT and isinstance(ending.error, BaseException):
-            return ending.error
-        if kind is lc.EndKind.SCALE:
-            need, have, waited = ending.detail
-            return ScaleTimeoutError(self.job_id, need, have, waited)
-        if kind is lc.EndKind.RESIZES:
-            count, limit = ending.detail
-            return TooManyResizesError(self.job_id, count, limit, ending.why)
-        if kind is lc.EndKind.STALLED:
-            return errors.JobStalledError(self.job_id, ending.why, ending.detail)
-        return DaskDDPError(ending.why)
-
     def _waiting(self, action: lc.Waiting) -> None:
         """Say what the job waits for: one line per new kind of wait."""
         self.wait_reason = lc.wait_text(action.wait, action.seconds_left)
-        if action.wait.kind is not self._wait_kind:
+        if action.announce:
             logger.info("dask-ddp job %s: %s", self.job_id, self.wait_reason)
             self._publish()
-        self._wait_kind = action.wait.kind
 
     def _first_step(self) -> None:
         """The current attempt's first record arrived: its ``running`` entry says when."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+import dask_ddp
 from dask_ddp import _lifecycle as lc
 from dask_ddp._protocol import RankOutcome, Verdict
 from dask_ddp._types import JobState
@@ -87,6 +88,8 @@ class World:
         self.finished = False
         self.log: list[str] = []
         self.cancelled_at: int | None = None
+        self.ran = False  # an attempt was placed (launch() returned the job)
+        self.stopping_error: BaseException | None = None
         self.fired_after_cancel: list[lc.Timer] = []
 
     def new_name(self) -> str:
@@ -209,16 +212,16 @@ class World:
             self.places -= 1
             dead = [w for w in action.workers if w not in self.cluster]
             if dead or self.rng.random() < 0.05:
-                retry = bool(dead)
                 self.queue.append(
                     lc.ActionFailed(
-                        lc.ActionKind.PLACE, action.attempt, retry=retry, why="probe failed"
+                        lc.ActionKind.PLACE, action.attempt, frozenset(dead), why="probe failed"
                     )
                 )
                 return
             for rank, w in enumerate(action.workers):
                 self.procs.append(Proc(action.attempt, rank, w))
-            self.queue.append(lc.Placed(action.attempt, action.workers))
+            keys = tuple(f"k{action.attempt}-{r}" for r in range(len(action.workers)))
+            self.queue.append(lc.Placed(action.attempt, action.workers, keys, hosts=1))
         elif kind == "abort":
             if self.rng.random() < 0.05:
                 self.queue.append(lc.ActionFailed(lc.ActionKind.ABORT, action.attempt))
@@ -423,6 +426,7 @@ class World:
             resizes = [p for p in self.published if p.state is JobState.RESIZING]
             if len(resizes) > limit:  # the model's clock moves only with its timers
                 raise InvariantBroken(f"{len(resizes)} resizes within the hour, at most {limit}")
+        self.check_errors(before, fact, actions)
         for a in actions:
             if isinstance(a, lc.Publish) and a.ending is not None:
                 if a.ending.kind is lc.EndKind.GROW and a.state not in (
@@ -434,6 +438,80 @@ class World:
                     raise InvariantBroken("a grow used a restart")
                 if a.state is JobState.FAILED and a.ending.kind is lc.EndKind.GROW:
                     raise InvariantBroken("a grow failed the job")
+
+    def check_errors(self, before: lc.Life, fact: Any, actions: list[Any]) -> None:
+        """The errors step decides: the one a job ends with matches how it ended, the one
+        said while it stops is the one it ends with, launch() raises only for a job that
+        failed before any attempt was placed, a lost rank's future says why."""
+        life = self.life
+        for a in actions:
+            if isinstance(a, lc.Publish):
+                if a.new_attempt:
+                    self.ran = True
+                self.check_error(a)
+            elif isinstance(a, lc.Finish):
+                failed = self.published[-1] if self.published else None
+                raises = failed is not None and failed.state is JobState.FAILED and not self.ran
+                if (a.error is not None) != raises or (raises and a.error is not failed.error):
+                    raise InvariantBroken(
+                        f"launch() raises {a.error!r}; the job ran: {self.ran}, ended {failed}"
+                    )
+            elif isinstance(a, lc.FailTask):
+                rank = before.ranks[a.rank]
+                if isinstance(a.error, dask_ddp.errors.RankStoppedError):
+                    if before.ending is None or a.status is None:
+                        raise InvariantBroken(f"{a}: stopped, yet the attempt was not stopping")
+                elif not isinstance(a.error, dask_ddp.WorkerLostError) or a.error.key != rank.key:
+                    raise InvariantBroken(f"{a}: a lost rank's future says {a.error!r}")
+                elif a.error.finished != (a.status is None):
+                    raise InvariantBroken(f"{a}: a finished rank's status changed")
+        if (
+            isinstance(fact, lc.ActionFailed)
+            and fact.action is lc.ActionKind.PLACE
+            and fact.workers
+            and any(isinstance(a, lc.Publish) and a.state is JobState.FAILED for a in actions)
+        ):
+            raise InvariantBroken("a placement that lost a worker failed the job")
+        if life.phase is lc.Phase.RUNNING and not self.ran:
+            raise InvariantBroken("running, and launch() was never told")
+
+    def check_error(self, a: lc.Publish) -> None:
+        classes = {
+            lc.EndKind.RANK: dask_ddp.RankFailedError,
+            lc.EndKind.TASK: dask_ddp.RankFailedError,
+            lc.EndKind.LOST: dask_ddp.WorkerLostError,
+            lc.EndKind.STOPPED: dask_ddp.RankStoppedError,
+            lc.EndKind.SCALE: dask_ddp.ScaleTimeoutError,
+            lc.EndKind.RESIZES: dask_ddp.errors.TooManyResizesError,
+            lc.EndKind.STALLED: dask_ddp.JobStalledError,
+            lc.EndKind.PLACEMENT: dask_ddp.DaskDDPError,
+        }
+        if a.state is JobState.STOPPING:
+            if a.error is None:
+                raise InvariantBroken(f"{a}: stopping towards its end, with no error said")
+            self.stopping_error = a.error
+            return
+        if a.state is JobState.CANCELLED:
+            expected: type | None = dask_ddp.JobCancelledError
+        elif a.state is JobState.FAILED:
+            expected = classes[a.ending.kind]
+        else:
+            expected = None
+        if (a.error is None) != (expected is None) or (
+            expected is not None and not isinstance(a.error, expected)
+        ):
+            raise InvariantBroken(f"{a}: the job ended with {a.error!r}, not a {expected}")
+        if a.ending is not None and a.ending.rank is not None and hasattr(a.error, "key"):
+            key = f"k{a.attempt}-{a.ending.rank}"
+            if a.error.key != key:
+                raise InvariantBroken(f"{a}: its error names task {a.error.key}, not {key}")
+        said, self.stopping_error = self.stopping_error, None
+        if (
+            a.state.final
+            and said is not None
+            and (type(said) is not type(a.error) or str(said) != str(a.error))
+        ):
+            raise InvariantBroken(f"said {said!r} while it stopped, ended with {a.error!r}")
 
     # -- the end of a sequence --------------------------------------------------------------
     def settle(self, *, cooperate: bool, limit: int = 2000) -> int:
@@ -526,6 +604,20 @@ def test_the_model_catches_a_broken_invariant(monkeypatch: pytest.MonkeyPatch) -
     # are clean (what stranded the cluster). The model must find it, and say where.
     monkeypatch.setattr(lc.RankLife, "clean", property(lambda self: True))
     with pytest.raises(InvariantBroken, match="while a rank still runs there"):
+        _all_sequences()
+
+
+def test_the_model_catches_a_wrong_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lost worker's job said to fail with the rank's own error: the model must find it.
+    right = lc._Step.error_of
+
+    def wrong(self: Any, state: JobState, ending: lc.Ending | None) -> BaseException | None:
+        if ending is not None and ending.kind is lc.EndKind.LOST:
+            return dask_ddp.RankFailedError(0, "w", "k", "ValueError: x")
+        return right(self, state, ending)
+
+    monkeypatch.setattr(lc._Step, "error_of", wrong)
+    with pytest.raises(InvariantBroken, match="the job ended with RankFailedError"):
         _all_sequences()
 
 
