@@ -117,6 +117,13 @@ class EndKind(str, enum.Enum):
     STALLED = "stalled"  # no rank progressed for ddp.stall-timeout (ddp.stall-action)
 
 
+class TaskEnd(str, enum.Enum):
+    """How a rank's task ended on the scheduler."""
+
+    MEMORY = "memory"  # it returned: its value is on its worker
+    ERRED = "erred"  # it raised
+
+
 class StallAction(str, enum.Enum):
     """What a stall does (``ddp.stall-action``)."""
 
@@ -186,7 +193,7 @@ class RankLife:
     key: str = "?"  # its task's key
     started: bool = False
     outcome: RankOutcome | None = None
-    task: str | None = None  # "memory" or "erred", once its task ended
+    task: TaskEnd | None = None  # once its task ended
     task_summary: str = ""  # an erred task's exception, for people
     lost: bool = False  # its worker left the cluster
     idle: bool = False  # the abort found it not started: it ends at once if it starts
@@ -743,7 +750,11 @@ class _Step:
         rank = self.rank(fact.attempt, fact.rank)
         if rank is None or rank.task is not None:
             return
-        self.update(fact.rank, task="erred" if fact.erred else "memory", task_summary=fact.summary)
+        self.update(
+            fact.rank,
+            task=TaskEnd.ERRED if fact.erred else TaskEnd.MEMORY,
+            task_summary=fact.summary,
+        )
         self.progress()
 
     def on_WorkerLost(self, fact: WorkerLost) -> None:
@@ -759,7 +770,7 @@ class _Step:
             if rank.worker != fact.worker or rank.lost:
                 continue
             done = rank.outcome is not None and rank.outcome.verdict is Verdict.DONE
-            if rank.task == "memory" or (rank.task is None and done):
+            if rank.task is TaskEnd.MEMORY or (rank.task is None and done):
                 # Its value was there: its future says it went with the worker.
                 lost = errors.WorkerLostError(r, rank.worker, rank.key, finished=True)
                 self.actions.append(FailTask(life.attempt, r, rank.worker, lost))
@@ -984,12 +995,12 @@ class _Step:
                 self.end(Ending(EndKind.RANK, why, i, rank.worker, rank.outcome, retry=retry))
                 return
         for i, rank in enumerate(ranks):
-            if rank.lost and rank.task != "memory" and rank.outcome is None:
+            if rank.lost and rank.task is not TaskEnd.MEMORY and rank.outcome is None:
                 why = f"rank {i} was lost: its worker {rank.worker} left the cluster while it ran"
                 self.end(Ending(EndKind.LOST, why, i, rank.worker, retry=True, lost=True))
                 return
         for i, rank in enumerate(ranks):
-            if rank.task == "erred" and rank.outcome is None:
+            if rank.task is TaskEnd.ERRED and rank.outcome is None:
                 why = f"rank {i}'s task failed on {rank.worker}: {rank.task_summary}"
                 self.end(Ending(EndKind.TASK, why, i, rank.worker))
                 return

@@ -410,7 +410,11 @@ class World:
             # Dask would compute a task left there again on a worker back at that address.
             failed = {a.rank for a in actions if isinstance(a, lc.FailTask)}
             for r, rank in enumerate(before.ranks if before.ranks else ()):
-                left = rank.worker == fact.worker and not rank.lost and rank.task != "erred"
+                left = (
+                    rank.worker == fact.worker
+                    and not rank.lost
+                    and rank.task is not lc.TaskEnd.ERRED
+                )
                 if left and r not in failed and before.phase is not lc.Phase.PLACING:
                     raise InvariantBroken(
                         f"rank {r}'s task was left on {fact.worker}, which left, in {life.phase}: "
