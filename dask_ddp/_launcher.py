@@ -145,7 +145,7 @@ class Launcher:
             )
         except BaseException:
             try:
-                await self._drop_store(run_id, rank0)
+                await self.drop_store(run_id, rank0)
             except Exception as exc:  # the error placing raised is the one to tell
                 logger.warning("job %s: could not close its store on %s: %s", run_id, rank0, exc)
             raise
@@ -335,7 +335,8 @@ class Launcher:
         read, instead of waiting for a worker that will not come back."""
         _dask_internals.fail_task(self.scheduler, attempt.keys[rank], pickle.dumps(error))
 
-    async def _drop_store(self, run_id: str, worker: str) -> None:
+    async def drop_store(self, run_id: str, worker: str) -> None:
+        """Close the store opened for ``run_id`` on ``worker`` (an attempt that never ran)."""
         await self.client.run(call, Entry.DROP_STORE, run_id, workers=[worker], on_error="return")
 
     async def request_grow(self, attempt: Attempt) -> None:

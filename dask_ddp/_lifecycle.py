@@ -27,7 +27,10 @@ The phases of a job, inside its public :class:`~dask_ddp.JobState`::
 
 - ``waiting``: the pool has not granted the workers (the job holds those it kept from its
   last attempt, if any).
-- ``placing``: the pool granted them; the launcher probes, opens the store, submits.
+- ``placing``: the pool granted them; the launcher probes and opens the store
+  (:class:`Place` -> :class:`Prepared`), then submits the rank tasks (:class:`Submit` ->
+  :class:`Placed`), unless the job was cancelled meanwhile: then nothing is submitted or
+  published, and the job ends at once (:class:`Discard`).
 - ``running``: the ranks run; the first conclusive fact decides how the attempt ends.
 - ``stopping``: the attempt's end is decided; its ranks are stopped. A worker goes back
   to the pool (or to the next attempt) only once it is *clean*: its rank's task ended, or
@@ -284,6 +287,14 @@ class Grew:
 
 
 @dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Attempt ``attempt`` is ready to run: its workers probed, rank 0's store open, its
+    ranks planned. Nothing of it was submitted yet."""
+
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Placed:
     """Attempt ``attempt`` was placed and its rank tasks submitted, rank ``i`` on
     ``workers[i]`` as task ``keys[i]``; the workers are on ``hosts`` hosts."""
@@ -420,6 +431,7 @@ Fact = (
     | ClusterChanged
     | Granted
     | Grew
+    | Prepared
     | Placed
     | RankStarted
     | RankEnded
@@ -455,11 +467,27 @@ class Withdraw:
 
 @dataclasses.dataclass(frozen=True)
 class Place:
-    """Probe ``workers``, open rank 0's store, plan and submit attempt ``attempt``:
-    :class:`Placed`, or :class:`ActionFailed` (``PLACE``)."""
+    """Probe ``workers``, open rank 0's store and plan attempt ``attempt``:
+    :class:`Prepared`, or :class:`ActionFailed` (``PLACE``)."""
 
     attempt: int
     workers: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    """Submit the prepared attempt ``attempt``'s rank tasks: :class:`Placed` at once
+    (before any other fact), or :class:`ActionFailed` (``PLACE``)."""
+
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Discard:
+    """Prepared attempt ``attempt`` will never run (the job was cancelled while it was
+    prepared): close its store. Nothing of it was submitted or published."""
+
+    attempt: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -592,6 +620,8 @@ Action = (
     Ask
     | Withdraw
     | Place
+    | Submit
+    | Discard
     | Abort
     | RestartWorkers
     | FailTask
@@ -716,6 +746,16 @@ class _Step:
             self.actions.append(RequestGrow(life.attempt))
         self.demand()
 
+    def on_Prepared(self, fact: Prepared) -> None:
+        life = self.life
+        if life.phase is not Phase.PLACING or fact.attempt != life.attempt:
+            self.actions.append(Discard(fact.attempt))
+        elif life.cancel is not None:  # asked while it was prepared: it never starts
+            self.actions.append(Discard(fact.attempt))
+            self.finish(JobState.CANCELLED, Ending(EndKind.CANCELLED, life.cancel))
+        else:
+            self.actions.append(Submit(fact.attempt))
+
     def on_Placed(self, fact: Placed) -> None:
         life = self.life
         if life.phase is not Phase.PLACING or fact.attempt != life.attempt:
@@ -725,7 +765,7 @@ class _Step:
             RankLife(w, k, lost=w not in life.held) for w, k in zip(fact.workers, keys, strict=True)
         )
         self.set(phase=Phase.RUNNING, ranks=ranks, grow_requested=False, stalled=False)
-        if life.cancel is not None:  # asked while the attempt was being placed
+        if life.cancel is not None:  # asked between its Submit and this fact
             self.end(Ending(EndKind.CANCELLED, life.cancel))
             return
         hosts = "host" if fact.hosts == 1 else "hosts"

@@ -83,6 +83,8 @@ def _failed(action: lc.Action, exc: Exception) -> lc.ActionFailed | None:
         return lc.ActionFailed(lc.ActionKind.PUBLISH, action.attempt, error=exc, why=why)
     if isinstance(action, lc.FailTask):
         return lc.ActionFailed(lc.ActionKind.FAIL_TASK, action.attempt, error=exc, why=why)
+    if isinstance(action, lc.Submit):
+        return lc.ActionFailed(lc.ActionKind.PLACE, action.attempt, error=exc, why=why)
     return None
 
 
@@ -124,6 +126,7 @@ class Supervisor:
         self.life = lc.Life.new(self.policy)
         self.history: list[Transition] = []
         self.attempt: Attempt | None = None
+        self._prepared: Attempt | None = None  # probed and planned, not submitted yet
         self.error: BaseException | None = None
         self.wait_reason: str | None = None
         self.notes: list[str] = []
@@ -283,6 +286,10 @@ class Supervisor:
             pool.withdraw(self.job_id)
         elif isinstance(action, lc.Place):
             self._spawn(self._place(action), lc.ActionKind.PLACE, action.attempt)
+        elif isinstance(action, lc.Submit):
+            self._submit(action)
+        elif isinstance(action, lc.Discard):
+            self._discard(action)
         elif isinstance(action, lc.Abort):
             self._spawn(self._abort(action), lc.ActionKind.ABORT, action.attempt)
         elif isinstance(action, lc.RestartWorkers):
@@ -444,10 +451,19 @@ class Supervisor:
             self.feed(lc.ActionFailed(lc.ActionKind.PLACE, action.attempt, gone, exc, why))
             return
         last = self.attempt
-        if last is not None:
+        if last is not None:  # the attempt before: its futures go, its replicas are counted
             await self.launcher.unpublish(last)
             self.plugin.unwatch_keys(last.keys)
             await self._find_replicas(last)
+        self._prepared = attempt
+        self.feed(lc.Prepared(attempt.number))
+
+    def _submit(self, action: lc.Submit) -> None:
+        """Submit the prepared attempt: it is placed (a fact, taken before any other), then
+        its futures are published for every client."""
+        attempt, self._prepared = self._prepared, None
+        if attempt is None or attempt.number != action.attempt:
+            return
         self._restored = self._restore(attempt)
         self.attempt = attempt
         self.plugin.watch_keys(self, attempt.keys)
@@ -459,8 +475,20 @@ class Supervisor:
         hosts = len({known[w].host for w in attempt.workers if w in known})
         self.feed(lc.Placed(attempt.number, tuple(attempt.workers), tuple(attempt.keys), hosts))
         # ... then of its futures, once any client can read them.
+        self._spawn(self._publish_attempt(attempt), lc.ActionKind.PUBLISH, attempt.number)
+
+    async def _publish_attempt(self, attempt: Attempt) -> None:
         await self.launcher.publish(attempt)
         self._publish()
+
+    def _discard(self, action: lc.Discard) -> None:
+        """A prepared attempt that never runs: its store closes; nothing else was made."""
+        attempt, self._prepared = self._prepared, None
+        if attempt is not None and attempt.number == action.attempt:
+            self._cleanup(
+                self.launcher.drop_store(attempt.run_id, attempt.store_worker),
+                f"close attempt {attempt.number}'s store",
+            )
 
     async def _abort(self, action: lc.Abort) -> None:
         a = self.attempt

@@ -89,6 +89,8 @@ class World:
         self.log: list[str] = []
         self.cancelled_at: int | None = None
         self.ran = False  # an attempt was placed (launch() returned the job)
+        self.prepared: dict[int, tuple[str, ...]] = {}  # attempts probed, not yet submitted
+        self.discarded = 0
         self.stopping_error: BaseException | None = None
         self.fired_after_cancel: list[lc.Timer] = []
 
@@ -152,6 +154,15 @@ class World:
                 raise InvariantBroken("a second Place while one is in flight")
             self.places += 1
             self.later.append(("place", action))
+        elif isinstance(action, lc.Submit):  # submitted at once: placed before anything else
+            workers = self.prepared.pop(action.attempt)
+            for rank, w in enumerate(workers):
+                self.procs.append(Proc(action.attempt, rank, w))
+            keys = tuple(f"k{action.attempt}-{r}" for r in range(len(workers)))
+            self.queue.append(lc.Placed(action.attempt, workers, keys, hosts=1))
+        elif isinstance(action, lc.Discard):
+            self.prepared.pop(action.attempt)
+            self.discarded += 1
         elif isinstance(action, lc.Abort):
             self.later.append(("abort", action))
         elif isinstance(action, lc.RestartWorkers):
@@ -218,10 +229,8 @@ class World:
                     )
                 )
                 return
-            for rank, w in enumerate(action.workers):
-                self.procs.append(Proc(action.attempt, rank, w))
-            keys = tuple(f"k{action.attempt}-{r}" for r in range(len(action.workers)))
-            self.queue.append(lc.Placed(action.attempt, action.workers, keys, hosts=1))
+            self.prepared[action.attempt] = action.workers
+            self.queue.append(lc.Prepared(action.attempt))
         elif kind == "abort":
             if self.rng.random() < 0.05:
                 self.queue.append(lc.ActionFailed(lc.ActionKind.ABORT, action.attempt))
@@ -431,6 +440,12 @@ class World:
             if len(resizes) > limit:  # the model's clock moves only with its timers
                 raise InvariantBroken(f"{len(resizes)} resizes within the hour, at most {limit}")
         self.check_errors(before, fact, actions)
+        if isinstance(fact, lc.Prepared):
+            answered = [a for a in actions if isinstance(a, (lc.Submit, lc.Discard))]
+            if len(answered) != 1:
+                raise InvariantBroken(f"a prepared attempt was answered with {answered}")
+            if before.cancel is not None and isinstance(answered[0], lc.Submit):
+                raise InvariantBroken("an attempt prepared after a cancel was submitted")
         for a in actions:
             if isinstance(a, lc.Publish) and a.ending is not None:
                 if a.ending.kind is lc.EndKind.GROW and a.state not in (
@@ -670,12 +685,28 @@ def test_no_resize_limit_when_max_resizes_is_none() -> None:
     assert life.state is JobState.RESIZING
 
 
-def test_cancel_while_placing_stops_the_attempt_once_placed() -> None:
+def test_cancel_while_placing_never_submits_the_attempt() -> None:
     p = lc.Policy(min_workers=2, max_workers=2, failure_grace=5.0)
     life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
     life, _ = lc.step(life, lc.Granted(("a", "b")), p, 0.0)
     life, actions = lc.step(life, lc.CancelAsked("stop"), p, 0.0)
-    assert actions == [] and life.phase is lc.Phase.PLACING  # the launcher is busy placing
+    assert actions == [] and life.phase is lc.Phase.PLACING  # the launcher is probing
+    life, actions = lc.step(life, lc.Prepared(0), p, 0.0)
+    assert actions[0] == lc.Discard(0) and not any(isinstance(a, lc.Submit) for a in actions)
+    assert lc.Release(frozenset({"a", "b"})) in actions  # nothing of it runs there
+    assert life.phase is lc.Phase.ENDED and life.state is JobState.CANCELLED
+    published = [a.state for a in actions if isinstance(a, lc.Publish)]
+    assert published == [JobState.CANCELLED]
+
+
+def test_cancel_between_submit_and_placed_stops_the_attempt_once_placed() -> None:
+    p = lc.Policy(min_workers=2, max_workers=2, failure_grace=5.0)
+    life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
+    life, _ = lc.step(life, lc.Granted(("a", "b")), p, 0.0)
+    life, actions = lc.step(life, lc.Prepared(0), p, 0.0)
+    assert actions == [lc.Submit(0)]
+    life, actions = lc.step(life, lc.CancelAsked("stop"), p, 0.0)
+    assert actions == [] and life.phase is lc.Phase.PLACING  # its Placed is on its way
     life, actions = lc.step(life, lc.Placed(0, ("a", "b")), p, 0.0)
     published = [a.state for a in actions if isinstance(a, lc.Publish)]
     assert published == [JobState.STOPPING]  # never said "running"; its end is known
