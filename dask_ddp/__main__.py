@@ -891,7 +891,7 @@ def _run_job(
     client: Any, opts: argparse.Namespace, scratch: str, signals: _Signals, *, own_cluster: bool
 ) -> int:
     from .dispatch import _launch_script
-    from .errors import DaskDDPError
+    from .errors import DaskDDPError, RankFailedError
 
     log = logging.getLogger("dask_ddp")
     _quiet_job_failure()
@@ -942,11 +942,13 @@ def _run_job(
         return _cancel(job, stop, own_cluster=own_cluster)
     except DaskDDPError as exc:
         signals.ignore_from_now()
-        shown = str(exc)
-        _say(shown)
         rank_traceback = getattr(exc, "rank_traceback", "")
-        if rank_traceback and rank_traceback not in shown:
+        if isinstance(exc, RankFailedError) and rank_traceback:
+            # As a Python traceback reads: the rank's first, then what it did to the job.
             print(rank_traceback.rstrip(), file=sys.stderr)
+            _say(f"{exc.summary}; fix the error in the rank's traceback above")
+        else:
+            _say(str(exc))
         if own_cluster:
             return 1  # everything it started ends with the command
         # On a shared cluster, leave it clean: a stuck peer's worker is restarted.

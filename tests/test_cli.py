@@ -187,6 +187,11 @@ def test_exits_promptly_after_a_failure_with_a_stuck_peer(tmp_path: Path) -> Non
     failed, ended, pgid = _cli(str(script))
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "rank 1 failed" in failed.stderr and "rank 1 broke on purpose" in failed.stderr
+    # The rank's traceback, then the line that points at it ("above"), as Python prints.
+    said = failed.stderr.index("dask_ddp: rank 1 failed")
+    assert failed.stderr.index("Traceback (most recent call last)") < said, failed.stderr
+    assert failed.stderr[said:].startswith("dask_ddp: rank 1 failed on tcp://")
+    assert "traceback above" in failed.stderr and "printed above" not in failed.stderr
     (failing,) = _stamp(failed.stdout, "FAILING")
     assert ended - failing < EXIT_LIMIT, ended - failing
     _assert_group_empty(pgid)
