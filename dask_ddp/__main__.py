@@ -942,10 +942,9 @@ def _run_job(
         return _cancel(job, stop, own_cluster=own_cluster)
     except DaskDDPError as exc:
         signals.ignore_from_now()
-        rank_traceback = getattr(exc, "rank_traceback", "")
-        if isinstance(exc, RankFailedError) and rank_traceback:
+        if isinstance(exc, RankFailedError) and exc.rank_traceback:
             # As a Python traceback reads: the rank's first, then what it did to the job.
-            print(rank_traceback.rstrip(), file=sys.stderr)
+            print(exc.rank_traceback.rstrip(), file=sys.stderr)
             _say(f"{exc.summary}; fix the error in the rank's traceback above")
         else:
             _say(str(exc))
