@@ -49,12 +49,21 @@ def _seen_by_rank(tag: str, *, local_rank: int | None = None) -> dict:
     }
 
 
-def _worker_state() -> dict:
+async def _worker_state() -> dict:
+    import asyncio
     import multiprocessing
 
+    from dask_ddp._rankproc import spare_waits
     from dask_ddp._slot import PROCESS
 
-    assert PROCESS.wait_idle(30)  # the last rank's teardown ends just after its task
+    # The last rank's teardown ends just after its task; the next spare rank process is
+    # forked once the last rank's has gone, and the worker's daemon flag is lifted during
+    # that fork: the state is read once the spare waits (the worker's loop runs meanwhile).
+    assert await asyncio.to_thread(PROCESS.wait_idle, 30)
+    for _ in range(600):
+        if spare_waits():
+            break
+        await asyncio.sleep(0.05)
 
     return {
         "rank_env": {k: os.environ.get(k) for k in ("RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")},
@@ -86,9 +95,7 @@ def test_ranks_env_and_context(client: Client) -> None:
         assert env["CUDA_VISIBLE_DEVICES"] is None  # no GPUs: nothing rotated
         assert o["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     assert out[0]["pid"] != out[1]["pid"]
-    # The worker is left as it was: environment, process group, threads (its daemon flag
-    # is lifted while the next spare rank process is forked, just after the task).
-    poll_for(lambda: client.run(_worker_state) == before, timeout=30)
+    # The worker is left as it was: environment, process group, threads, daemon flag.
     assert client.run(_worker_state) == before
 
 
