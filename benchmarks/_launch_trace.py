@@ -53,6 +53,10 @@ def _stage(args: tuple, kwargs: dict) -> str:
     return args[3] if len(args) > 3 else kwargs.get("stage", "joined")
 
 
+def _stimulus(args: tuple, kwargs: dict) -> str:
+    return "+".join(type(e).__name__ for e in args[1:])
+
+
 def _patch(module: Any) -> None:
     name = module.__name__
     if name == "dask_ddp.dispatch":
@@ -72,6 +76,19 @@ def _patch(module: Any) -> None:
     elif name == "dask_ddp._rankproc":
         _wrap(module, "_take", "worker.take_spare")
         _wrap(module.RankLink, "next_go", "rank.next_go")
+    elif name == "dask_ddp.supervise":
+        _wrap(module.Supervisor, "on_task", "sched.on_task")
+        _wrap(module.Supervisor, "_transition", "sched.state", lambda a, k: a[1].state.value)
+    elif name == "dask_ddp._reader":
+        _wrap(module.EventReader, "_state", "client.state", lambda a, k: a[1].get("state", ""))
+    elif name == "distributed.client":
+        _wrap(module.Client, "_gather", "client.gather")
+    elif name == "distributed.scheduler":
+        _wrap(module.Scheduler, "update_graph", "sched.update_graph")
+        _wrap(module.Scheduler, "handle_task_finished", "sched.task_finished")
+    elif name == "distributed.worker":
+        _wrap(module.Worker, "handle_stimulus", "worker.stimulus", _stimulus)
+        _wrap(module.Worker, "execute", "worker.execute")
     elif name == "torch.distributed":
         _wrap(module, "init_process_group", "rank.init_pg")
         _wrap(module, "destroy_process_group", "rank.destroy_pg")
@@ -79,7 +96,8 @@ def _patch(module: Any) -> None:
 
 _TARGETS = {
     "dask_ddp.dispatch", "dask_ddp.job", "dask_ddp._launcher", "dask_ddp.bootstrap",
-    "dask_ddp._rankproc", "torch.distributed",
+    "dask_ddp._rankproc", "torch.distributed", "dask_ddp.supervise", "dask_ddp._reader",
+    "distributed.client", "distributed.scheduler", "distributed.worker",
 }  # fmt: skip
 
 

@@ -51,13 +51,23 @@ def drive(workers: int, launches: int) -> None:
         for _ in range(3):
             dask_ddp.launch(client, fn).result()
             time.sleep(0.5)
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         for i in range(launches):
-            time.sleep(0.5)
-            with open(trace, "a") as f:
-                f.write(f"{time.time():.6f} {os.getpid()} MARK {i}\n")
-            dask_ddp.launch(client, fn).result()
-            with open(trace, "a") as f:
-                f.write(f"{time.time():.6f} {os.getpid()} END {i}\n")
+            for side in ("dask_ddp", "plain"):
+                time.sleep(0.5)
+                with open(trace, "a") as f:
+                    f.write(f"{time.time():.6f} {os.getpid()} MARK {side}:{i}\n")
+                if side == "dask_ddp":
+                    dask_ddp.launch(client, fn).result()
+                else:
+                    client.gather(
+                        [
+                            client.submit(fn, workers=[w], allow_other_workers=False, pure=False)
+                            for w in workers
+                        ]
+                    )
+                with open(trace, "a") as f:
+                    f.write(f"{time.time():.6f} {os.getpid()} END {side}:{i}\n")
 
 
 def analyse(path: str) -> None:
@@ -69,32 +79,36 @@ def analyse(path: str) -> None:
                 extra = parts[4] if len(parts) > 4 else ""
                 events.append((float(parts[0]), parts[2], parts[3], extra))
     events.sort()
-    marks = [(t, int(phase)) for t, name, phase, _ in events if name == "MARK"]
-    ends = {int(phase): t for t, name, phase, _ in events if name == "END"}
-    stages: dict[str, list[tuple[float, float, int]]] = collections.defaultdict(list)
-    totals = []
-    for t0, i in marks:
-        totals.append(ends[i] - t0)
-        seen: dict[str, list[float]] = collections.defaultdict(list)
-        for t, name, phase, extra in events:
-            if t0 <= t <= ends[i] and name not in ("MARK", "END"):
-                seen[f"{name} {phase} {extra}".strip()].append(t - t0)
-        for stage, times in seen.items():
-            stages[stage].append((min(times), max(times), len(times)))
-    total = statistics.median(totals) * 1000
-    print(f"{len(marks)} launches, call -> results: median {total:.1f} ms")
-    print(" first ms   last ms  calls  stage")
-    rows = [
-        (
-            statistics.median(v[0] for v in values) * 1000,
-            statistics.median(v[1] for v in values) * 1000,
-            statistics.median(v[2] for v in values),
-            stage,
-        )
-        for stage, values in stages.items()
-    ]
-    for first, last, calls, stage in sorted(rows):
-        print(f"{first:9.1f} {last:9.1f}  {calls:5g}  {stage}")
+    ends = {phase: t for t, name, phase, _ in events if name == "END"}
+    for side in ("dask_ddp", "plain"):
+        marks = [
+            (t, phase) for t, name, phase, _ in events if name == "MARK" and phase.startswith(side)
+        ]
+        stages: dict[str, list[tuple[float, float, int]]] = collections.defaultdict(list)
+        totals = []
+        for t0, mark in marks:
+            totals.append(ends[mark] - t0)
+            seen: dict[str, list[float]] = collections.defaultdict(list)
+            for t, name, phase, extra in events:
+                if t0 <= t <= ends[mark] and name not in ("MARK", "END"):
+                    seen[f"{name} {phase} {extra}".strip()].append(t - t0)
+            for stage, times in seen.items():
+                stages[stage].append((min(times), max(times), len(times)))
+        total = statistics.median(totals) * 1000
+        print(f"\n{side}: {len(marks)} launches, call -> results: median {total:.1f} ms")
+        print(" first ms   last ms  calls  stage")
+        rows = [
+            (
+                statistics.median(v[0] for v in values) * 1000,
+                statistics.median(v[1] for v in values) * 1000,
+                statistics.median(v[2] for v in values),
+                stage,
+            )
+            for stage, values in stages.items()
+            if len(values) * 2 > len(marks)  # in most launches: not a stray timer's
+        ]
+        for first, last, calls, stage in sorted(rows):
+            print(f"{first:9.1f} {last:9.1f}  {calls:5g}  {stage}")
 
 
 def main() -> None:
