@@ -5,8 +5,12 @@ A tracer (:mod:`_launch_trace`, loaded by every process of the run through a
 and scheduler, the workers, their template and the ranks forked from it) appends the entry
 and exit time of each function a launch passes through to one file. The driver launches,
 on a warm LocalCluster of N workers (one thread each), K jobs whose function returns at
-once, each after 0.5 s of quiet. The table gives, for each stage, the median over the K
-launches of its first and last time (over the ranks) after the call, in ms::
+once, each after 0.5 s of quiet, and after each, as plain Dask's reference, N trivial
+tasks pinned one to each worker (``submit`` then ``gather``), traced the same way (Dask's
+own stages: the scheduler's ``update_graph`` and ``task-finished``, a worker's stimuli
+and ``execute``, the client's gather). Each side's table gives, for each stage seen in
+most of its launches, the median over the K launches of its first and last time (over
+the ranks) after the call, in ms::
 
     python benchmarks/launch_floor.py --workers 2 --launches 15
     python benchmarks/launch_floor.py --workers 16 --launches 9

@@ -218,8 +218,8 @@ class Job:
     ) -> tuple[str, concurrent.futures.Future[list[Any]]] | None:
         """Once the job is placed (within ``timeout``), start gathering its ranks' values:
         they arrive while the supervisor's word that the job succeeded is on its way (the
-        two come about together; one after the other they cost a launch of two ranks a
-        tenth of its time). None if the job ended unplaced, or is not placed yet."""
+        two come about together; one after the other they added a gather's round trip to
+        each launch). None if the job ended unplaced, or is not placed yet."""
         model = self._model
         with model.cond:  # the reader binds the futures as soon as the job is placed
             model.cond.wait_for(
