@@ -153,6 +153,9 @@ class Supervisor:
         self._stacks: dict[int, str] | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._soon: asyncio.TimerHandle | None = None  # a message due (_publish_soon)
+        # The attempt whose futures are being published: no client hears the job's outcome
+        # before it can read them (_publish holds that message until then).
+        self._publishing: int | None = None
 
     @property
     def state(self) -> JobState:
@@ -475,11 +478,16 @@ class Supervisor:
         hosts = len({known[w].host for w in attempt.workers if w in known})
         self.feed(lc.Placed(attempt.number, tuple(attempt.workers), tuple(attempt.keys), hosts))
         # ... then of its futures, once any client can read them.
+        self._publishing = attempt.number
         self._spawn(self._publish_attempt(attempt), lc.ActionKind.PUBLISH, attempt.number)
 
     async def _publish_attempt(self, attempt: Attempt) -> None:
-        await self.launcher.publish(attempt)
-        self._publish()
+        try:
+            await self.launcher.publish(attempt)
+        finally:
+            if self._publishing == attempt.number:
+                self._publishing = None
+            self._publish()  # with the futures' name; and an outcome held meanwhile
 
     def _discard(self, action: lc.Discard) -> None:
         """A prepared attempt that never runs: its store closes; nothing else was made."""
@@ -720,10 +728,17 @@ class Supervisor:
         self._publish()
 
     def _publish(self) -> None:
-        """Tell every client following the job (its topic's subscribers) where it is."""
+        """Tell every client following the job (its topic's subscribers) where it is.
+
+        Not the job's outcome while its attempt's futures are being published: a client
+        that hears it reads the ranks' values (and a failed rank's own exception) from them
+        at once. A job that ends while its publish is on its way (a short one, on a busy
+        scheduler) is told of once they are published, or could not be."""
         if self._soon is not None:
             self._soon.cancel()
             self._soon = None
+        if self._publishing is not None and self._outcome() is not None:
+            return  # _publish_attempt says it
         self._version += 1
         self.plugin.scheduler.log_event(self.topic, self.public_state())
         self.plugin.changes.bump()

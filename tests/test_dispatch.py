@@ -597,3 +597,33 @@ def test_a_rank_stopped_at_a_safe_point_says_why_on_its_future(client: Client) -
         assert isinstance(error, dask_ddp.RankStoppedError), repr(error)
         assert "stopped by the test" in str(error)
     assert client.run(os.getpid) == pids  # stopped in place: no worker was restarted
+
+
+def _rank() -> int:
+    return dask_ddp.get_context().rank
+
+
+def _publish_later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The supervisor's publish of an attempt's futures (in this process: the shared
+    cluster's scheduler runs here) takes ``seconds`` longer: a job ends before it."""
+    from dask_ddp import _launcher
+
+    publish = _launcher.Launcher.publish
+
+    async def later(self: Any, attempt: Any) -> None:
+        import asyncio
+
+        await asyncio.sleep(seconds)
+        await publish(self, attempt)
+
+    monkeypatch.setattr(_launcher.Launcher, "publish", later)
+
+
+def test_a_job_that_ends_before_its_futures_are_published_has_its_values(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its outcome reaches the client only with its futures: before, result() returned [].
+    _publish_later(monkeypatch, 2.0)
+    job = dask_ddp.launch(client, _rank)
+    assert job.result(timeout=60) == [0, 1]
+    assert [f.result(timeout=10) for f in job.futures] == [0, 1]

@@ -124,3 +124,15 @@ def test_in_a_notebook_the_error_reads_once_from_the_cell_that_raised(tmp_path) 
     assert "<dynamic-code>" not in shown
     printed = "".join(o.get("text", "") for c in nb.cells for o in c.outputs)
     assert "Compute Failed" not in printed
+
+
+def test_a_job_that_fails_before_its_futures_are_published_raises_the_rank_s_own_error(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_dispatch import _publish_later
+
+    _publish_later(monkeypatch, 2.0)
+    job = dask_ddp.launch(client, _fail_on_rank_1)
+    with pytest.raises(dask_ddp.RankFailedError) as info:
+        job.result(timeout=60)
+    assert isinstance(info.value.__cause__, ValueError)  # read from rank 1's future
