@@ -205,9 +205,13 @@ class Job:
                 ahead[1].cancel()
             raise
         if ahead is not None:
-            name, values = ahead
+            name, count, values = ahead
             if error is None and name == self._model.dataset:
-                return values.result()
+                gathered = values.result()
+                if len(gathered) == count:
+                    return gathered
+                # A rank's value was lost since (its worker went): gathered again below,
+                # its future raises why.
             values.cancel()  # the job failed, or placed its ranks again since
         if error is not None:
             raise error
@@ -215,11 +219,13 @@ class Job:
 
     def _gather_ahead(
         self, timeout: float | None
-    ) -> tuple[str, concurrent.futures.Future[list[Any]]] | None:
+    ) -> tuple[str, int, concurrent.futures.Future[list[Any]]] | None:
         """Once the job is placed (within ``timeout``), start gathering its ranks' values:
         they arrive while the supervisor's word that the job succeeded is on its way (the
         two come about together; one after the other they added a gather's round trip to
-        each launch). None if the job ended unplaced, or is not placed yet."""
+        each launch). Returns the placement's dataset, its number of ranks and the values
+        to come (a rank's that erred left out); None if the job ended unplaced, or is not
+        placed yet."""
         model = self._model
         with model.cond:  # the reader binds the futures as soon as the job is placed
             model.cond.wait_for(
@@ -232,7 +238,8 @@ class Job:
         # "skip": a rank's error is never raised here, where raising it would add this
         # gather's frames to the exception its future shares with the job's error.
         coroutine = self.client.gather(list(futures), errors="skip", asynchronous=True)
-        return name, asyncio.run_coroutine_threadsafe(coroutine, self.client.loop.asyncio_loop)
+        values = asyncio.run_coroutine_threadsafe(coroutine, self.client.loop.asyncio_loop)
+        return name, len(futures), values
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The job's error once it is done, or None if it succeeded."""
