@@ -94,6 +94,26 @@ def stacks_of(cluster: LocalCluster) -> str:
 
 
 @pytest.fixture
+def slow_publish(monkeypatch: pytest.MonkeyPatch) -> float:
+    """The supervisor publishes each attempt's futures this many seconds late (it runs in
+    this process: a LocalCluster's scheduler does), so that a short job ends before they
+    are published."""
+    from dask_ddp import _launcher
+
+    delay = 2.0
+    publish = _launcher.Launcher.publish
+
+    async def later(self: _launcher.Launcher, attempt: _launcher.Attempt) -> None:
+        import asyncio
+
+        await asyncio.sleep(delay)
+        await publish(self, attempt)
+
+    monkeypatch.setattr(_launcher.Launcher, "publish", later)
+    return delay
+
+
+@pytest.fixture
 def own_cluster() -> Iterator[LocalCluster]:
     """A cluster of its own, for tests that kill or restart workers."""
     with make_cluster(2) as cluster:

@@ -53,23 +53,22 @@ async def _worker_state() -> dict:
     import asyncio
     import multiprocessing
 
-    from dask_ddp._rankproc import spare_waits
+    from dask_ddp import _rankproc
     from dask_ddp._slot import PROCESS
 
-    # The last rank's teardown ends just after its task; the next spare rank process is
-    # forked once the last rank's has gone, and the worker's daemon flag is lifted during
-    # that fork: the state is read once the spare waits (the worker's loop runs meanwhile).
-    assert await asyncio.to_thread(PROCESS.wait_idle, 30)
-    for _ in range(600):
-        if spare_waits():
-            break
-        await asyncio.sleep(0.05)
+    def daemon() -> bool:
+        # A spare rank process's fork lifts the worker's daemon flag while it runs, under
+        # this lock (the next spare is forked just after a rank's process has gone).
+        with _rankproc._refill_lock:
+            return multiprocessing.current_process().daemon
 
+    # The last rank's teardown ends just after its task (the worker's loop runs meanwhile).
+    assert await asyncio.to_thread(PROCESS.wait_idle, 30)
     return {
         "rank_env": {k: os.environ.get(k) for k in ("RANK", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")},
         "initialized": dist.is_initialized(),
         "threads": torch.get_num_threads(),
-        "daemon": multiprocessing.current_process().daemon,
+        "daemon": await asyncio.to_thread(daemon),
     }
 
 
@@ -603,27 +602,9 @@ def _rank() -> int:
     return dask_ddp.get_context().rank
 
 
-def _publish_later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """The supervisor's publish of an attempt's futures (in this process: the shared
-    cluster's scheduler runs here) takes ``seconds`` longer: a job ends before it."""
-    from dask_ddp import _launcher
-
-    publish = _launcher.Launcher.publish
-
-    async def later(self: Any, attempt: Any) -> None:
-        import asyncio
-
-        await asyncio.sleep(seconds)
-        await publish(self, attempt)
-
-    monkeypatch.setattr(_launcher.Launcher, "publish", later)
-
-
-def test_a_job_that_ends_before_its_futures_are_published_has_its_values(
-    client: Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("slow_publish")
+def test_a_job_that_ends_before_its_futures_are_published_has_its_values(client: Client) -> None:
     # Its outcome reaches the client only with its futures: before, result() returned [].
-    _publish_later(monkeypatch, 2.0)
     job = dask_ddp.launch(client, _rank)
     assert job.result(timeout=60) == [0, 1]
     assert [f.result(timeout=10) for f in job.futures] == [0, 1]

@@ -126,12 +126,10 @@ def test_in_a_notebook_the_error_reads_once_from_the_cell_that_raised(tmp_path) 
     assert "Compute Failed" not in printed
 
 
+@pytest.mark.usefixtures("slow_publish")
 def test_a_job_that_fails_before_its_futures_are_published_raises_the_rank_s_own_error(
-    client: Client, monkeypatch: pytest.MonkeyPatch
+    client: Client,
 ) -> None:
-    from test_dispatch import _publish_later
-
-    _publish_later(monkeypatch, 2.0)
     job = dask_ddp.launch(client, _fail_on_rank_1)
     with pytest.raises(dask_ddp.RankFailedError) as info:
         job.result(timeout=60)
