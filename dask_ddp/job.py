@@ -18,9 +18,6 @@ the client only.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
@@ -196,50 +193,10 @@ class Job:
         TimeoutError
             ``timeout`` passed first.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        ahead = self._gather_ahead(timeout)
-        try:
-            error = self.exception(None if deadline is None else deadline - time.monotonic())
-        except BaseException:
-            if ahead is not None:
-                ahead[1].cancel()
-            raise
-        if ahead is not None:
-            name, count, values = ahead
-            if error is None and name == self._model.dataset:
-                gathered = values.result()
-                if len(gathered) == count:
-                    return gathered
-                # A rank's value was lost since (its worker went): gathered again below,
-                # its future raises why.
-            values.cancel()  # the job failed, or placed its ranks again since
+        error = self.exception(timeout)
         if error is not None:
             raise error
         return self.client.gather(self.futures)
-
-    def _gather_ahead(
-        self, timeout: float | None
-    ) -> tuple[str, int, concurrent.futures.Future[list[Any]]] | None:
-        """Once the job is placed (within ``timeout``), start gathering its ranks' values:
-        they arrive while the supervisor's word that the job succeeded is on its way (the
-        two come about together; one after the other they added a gather's round trip to
-        each launch). Returns the placement's dataset, its number of ranks and the values
-        to come (a rank's that erred left out); None if the job ended unplaced, or is not
-        placed yet."""
-        model = self._model
-        with model.cond:  # the reader binds the futures as soon as the job is placed
-            model.cond.wait_for(
-                lambda: model.futures[0] == model.dataset is not None or model.done.is_set(),
-                timeout,
-            )
-            name, futures = model.futures
-        if name is None or name != model.dataset or not futures:
-            return None
-        # "skip": a rank's error is never raised here, where raising it would add this
-        # gather's frames to the exception its future shares with the job's error.
-        coroutine = self.client.gather(list(futures), errors="skip", asynchronous=True)
-        values = asyncio.run_coroutine_threadsafe(coroutine, self.client.loop.asyncio_loop)
-        return name, len(futures), values
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The job's error once it is done, or None if it succeeded."""
