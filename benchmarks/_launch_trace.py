@@ -61,25 +61,25 @@ def _patch(module: Any) -> None:
     name = module.__name__
     if name == "dask_ddp.dispatch":
         _wrap(module, "launch", "client.launch")
-    elif name == "dask_ddp.job":
+    elif name == "dask_ddp._client.job":
         _wrap(module.Job, "result", "client.result")
-    elif name == "dask_ddp._launcher":
+    elif name == "dask_ddp._scheduler.launcher":
         _wrap(module.Launcher, "prepare", "sched.prepare")
         _wrap(module.Launcher, "submit", "sched.submit")
         _wrap(module.Launcher, "publish", "sched.publish")
-    elif name == "dask_ddp.bootstrap":
+    elif name == "dask_ddp._rank.tasks":
         _wrap(module, "probe_worker", "worker.probe")
         _wrap(module, "run_rank", "worker.run_rank")
         _wrap(module, "run_in_process", "rank.run_in_process")
         _wrap(module, "_connect_store", "rank.store")
         _wrap(module, "_rendezvous", "rank.rendezvous", _stage)
-    elif name == "dask_ddp._rankproc":
+    elif name == "dask_ddp._rank.rankproc":
         _wrap(module, "_take", "worker.take_spare")
         _wrap(module.RankLink, "next_go", "rank.next_go")
-    elif name == "dask_ddp.supervise":
+    elif name == "dask_ddp._scheduler.supervisor":
         _wrap(module.Supervisor, "on_task", "sched.on_task")
         _wrap(module.Supervisor, "_transition", "sched.state", lambda a, k: a[1].state.value)
-    elif name == "dask_ddp._reader":
+    elif name == "dask_ddp._client.reader":
         _wrap(module.EventReader, "_state", "client.state", lambda a, k: a[1].get("state", ""))
     elif name == "distributed.client":
         _wrap(module.Client, "_gather", "client.gather")
@@ -95,8 +95,9 @@ def _patch(module: Any) -> None:
 
 
 _TARGETS = {
-    "dask_ddp.dispatch", "dask_ddp.job", "dask_ddp._launcher", "dask_ddp.bootstrap",
-    "dask_ddp._rankproc", "torch.distributed", "dask_ddp.supervise", "dask_ddp._reader",
+    "dask_ddp._client.launch", "dask_ddp._client.job", "dask_ddp._scheduler.launcher",
+    "dask_ddp._rank.tasks", "dask_ddp._rank.rankproc", "torch.distributed",
+    "dask_ddp._scheduler.supervisor", "dask_ddp._client.reader",
     "distributed.client", "distributed.scheduler", "distributed.worker",
 }  # fmt: skip
 

@@ -3,7 +3,7 @@
 Everything dask-ddp does beside training goes through the Dask scheduler: placing the
 ranks, their tasks, every ``report()`` batch, status, checkpoints, each job's supervisor.
 For each size N this starts one real scheduler (its own process, dask-ddp's plugin on it)
-and N Dask workers hosted by a few processes (``python -m dask_ddp._lanes``: many workers
+and N Dask workers hosted by a few processes (``python -m dask_ddp._rank.lanes``: many workers
 per process, each running one rank through the package's rank task, ``run_rank``). One
 job of N ranks runs :func:`simulated_rank`: ``report()`` every ``--period`` seconds, a
 status update every 10 reports, ``save_checkpoint()`` every 20 (the job may grow by one
@@ -57,8 +57,9 @@ import psutil
 from distributed import Client
 
 import dask_ddp
-from dask_ddp import _dask_internals, _status
-from dask_ddp.dispatch import _launch
+from dask_ddp._client.launch import _launch
+from dask_ddp._rank import status as _status
+from dask_ddp._shared import dask_internals as _dask_internals
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -135,7 +136,7 @@ class Cluster:
         t0 = time.monotonic()
         shares = [ranks // processes + (i < ranks % processes) for i in range(processes)]
         for i, share in enumerate(s for s in shares if s):
-            command = [sys.executable, "-m", "dask_ddp._lanes", self.address,
+            command = [sys.executable, "-m", "dask_ddp._rank.lanes", self.address,
                        "--workers", str(share), "--name", f"lanes{i}"]  # fmt: skip
             self.procs.append(
                 subprocess.Popen(
@@ -292,7 +293,7 @@ def _run_job(
     t0 = time.time()
     # init_process_group=False: no torch collectives (two process groups cannot share a
     # process). workers=N + 1, min_workers=N: the job may grow by one, so every rank waits
-    # for rank 0's word at each checkpoint through the job's store (dask_ddp._resize).
+    # for rank 0's word at each checkpoint through the job's store (dask_ddp._rank.resize).
     job = _launch(
         client, simulated_rank, (period, flag, fail_rank, 600.0), None,
         workers=ranks + 1, min_workers=ranks, backend="gloo", timeout=60,

@@ -49,7 +49,7 @@ from _common import start_cluster
 from distributed import Client
 
 import dask_ddp
-from dask_ddp import view
+from dask_ddp._shared import view
 from dask_ddp.results import DaskResultsHandler
 
 WORLD = 2
@@ -164,7 +164,7 @@ def rank_payload(rh: DaskResultsHandler, nbytes: int) -> float:
 
 
 def _blobs_held() -> int:
-    from dask_ddp import events
+    from dask_ddp._rank import channel as events
 
     return events.blobs_held()
 
@@ -236,7 +236,7 @@ class _ViewRecorder(_ShownSteps):
         self.saw({r["rank"]: r["step"] for r in snap["ranks"] if r["step"] is not None})
 
 
-# a rank's row of the page (dask_ddp.view.render_html): its number, then its step
+# a rank's row of the page (dask_ddp._shared.view.render_html): its number, then its step
 _PAGE_ROW = re.compile(
     r"<tr><td>(\d+)</td>(?:<td>[^<]*</td>){2}<td><progress[^>]*></progress></td><td>step (\d+)"
 )

@@ -993,7 +993,7 @@ def _print(args: argparse.Namespace, res: Results, cuda: bool) -> None:
         "threads: torch threads per rank the tool gave -> trained with (train() sets the same "
         "number under every tool)\nMALLOC_TRIM_THRESHOLD_ inside the training function: "
         + "; ".join(f"{t} {_values(warm[t]['malloc_env'])}" for t in tools)
-        + " (dask_ddp lifts the worker's value while a rank runs, dask_ddp/_malloc.py)"
+        + " (dask_ddp lifts the worker's value while a rank runs, dask_ddp/_rank/malloc.py)"
     )
     if cold:
         print(

@@ -156,7 +156,7 @@ def _time(fn) -> float:
 def bench_checkpoints(mb: int, runs: int, where: str, storage_options: dict) -> dict:
     import fsspec
 
-    from dask_ddp import checkpoint
+    from dask_ddp._rank import checkpoint
 
     state = _state(mb)
     times: dict[str, list[float]] = {

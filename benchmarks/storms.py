@@ -205,7 +205,7 @@ def rank_processes(dask_worker: Any = None) -> list[int]:
     but its spare's (the ranks running, or left behind, and everything they started)."""
     import psutil
 
-    from dask_ddp import _rankproc
+    from dask_ddp._rank import rankproc as _rankproc
 
     spare = _rankproc._spare
     groups = _rankproc.groups_alive() - {spare.process.pid if spare is not None else None}

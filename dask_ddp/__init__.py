@@ -10,11 +10,22 @@ import importlib.util as _importlib_util
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from ._version import __version__
+from ._shared.version import __version__
 
 if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load on use
-    from .checkpoint import CheckpointInfo, PendingCheckpoint
-    from .context import (
+    from ._client.job import (
+        Job,
+        JobInfo,
+        JobState,
+        MetricRecord,
+        OutputLine,
+        Transition,
+        attach,
+        jobs,
+    )
+    from ._client.launch import launch, launch_script, run
+    from ._rank.checkpoint import CheckpointInfo, PendingCheckpoint
+    from ._rank.context import (
         RankContext,
         get_checkpoint,
         get_context,
@@ -22,7 +33,6 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         report,
         save_checkpoint,
     )
-    from .dispatch import launch, launch_script, run
     from .errors import (
         DaskDDPError,
         InfrastructureError,
@@ -35,20 +45,19 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         ScaleTimeoutError,
         WorkerLostError,
     )
-    from .job import Job, JobInfo, JobState, MetricRecord, OutputLine, Transition, attach, jobs
     from .results import DaskResultsHandler
 
 # Each public name and the module that defines it. Modules load on first use, so that
 # `python -m dask_ddp --help` and a client that only launches never import torch.
 _WHERE = {
-    "CheckpointInfo": "checkpoint",
-    "PendingCheckpoint": "checkpoint",
-    "RankContext": "context",
-    "get_checkpoint": "context",
-    "get_context": "context",
-    "get_dataset_shard": "context",
-    "report": "context",
-    "save_checkpoint": "context",
+    "CheckpointInfo": "_rank.checkpoint",
+    "PendingCheckpoint": "_rank.checkpoint",
+    "RankContext": "_rank.context",
+    "get_checkpoint": "_rank.context",
+    "get_context": "_rank.context",
+    "get_dataset_shard": "_rank.context",
+    "report": "_rank.context",
+    "save_checkpoint": "_rank.context",
     "launch": "dispatch",
     "launch_script": "dispatch",
     "run": "dispatch",
@@ -62,14 +71,14 @@ _WHERE = {
     "RetryableError": "errors",
     "ScaleTimeoutError": "errors",
     "WorkerLostError": "errors",
-    "Job": "job",
-    "JobInfo": "job",
-    "JobState": "job",
-    "MetricRecord": "job",
-    "OutputLine": "job",
-    "Transition": "job",
-    "attach": "job",
-    "jobs": "job",
+    "Job": "_client.job",
+    "JobInfo": "_client.job",
+    "JobState": "_client.job",
+    "MetricRecord": "_client.job",
+    "OutputLine": "_client.job",
+    "Transition": "_client.job",
+    "attach": "_client.job",
+    "jobs": "_client.job",
     "DaskResultsHandler": "results",
 }
 
@@ -78,7 +87,7 @@ async def _dask_setup(server: _Any) -> None:
     """``dask scheduler --preload dask_ddp``: install dask-ddp's plugin as the scheduler
     starts, so that every job runs there from the first one, on a scheduler that blocks
     plugin registration too (a worker preloaded with it does nothing)."""
-    from ._plugin import install_on
+    from ._scheduler.plugin import install_on
 
     await install_on(server)
 

@@ -26,7 +26,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import _dashboard, _plugin, view
+from ._scheduler import page as _dashboard
+from ._scheduler import plugin as _plugin
+from ._shared import view
 
 __all__ = ["dask_setup"]
 

@@ -742,7 +742,7 @@ class WireVersionError(DaskDDPError, ValueError):
 
 
 #: The version of the records that travel between client, scheduler and ranks
-#: (:mod:`dask_ddp._protocol`); here, where the error that names it lives.
+#: (:mod:`dask_ddp._shared.protocol`); here, where the error that names it lives.
 WIRE_VERSION = 1
 
 
@@ -1144,7 +1144,7 @@ class DatasetNotFoundError(DaskDDPError, KeyError):
         )
 
 
-# -- scripts' and checkpoints' errors (dask_ddp.script, dask_ddp.checkpoint) ------------------
+# -- scripts' and checkpoints' errors (dask_ddp._shared.script, dask_ddp._rank.checkpoint) ---
 class ScriptExitError(DaskDDPError):
     """A script called ``sys.exit`` with a non-zero status on a rank."""
 

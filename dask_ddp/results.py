@@ -6,7 +6,7 @@ job's futures, and each result is written to ``prefix/path`` as it arrives. Code
 for ``dask_pytorch_ddp.results`` works after changing the import.
 
 Unlike the predecessor (``distributed.pubsub``, removed in distributed 2025.4), results
-travel through the job's own channel (:mod:`dask_ddp.events`): in order per rank, never
+travel through the job's own channel (:mod:`dask_ddp._rank.channel`): in order per rank, never
 mixed with another job's, and a payload larger than ``ddp.max-event-bytes`` (a pickled
 ``state_dict``) goes from the rank's worker to the client directly, never through the
 scheduler, and is released on the worker once the client has it. A path that would land
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 from distributed import Future
 
-from ._protocol import RESULT
-from .context import _rank_channel
+from ._rank.context import _rank_channel
+from ._shared.protocol import RESULT
 from .errors import UnsafeResultPathError
 
 if TYPE_CHECKING:
-    from .job import Job
+    from ._client.job import Job
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class DaskResultsHandler:
         JobNotFoundError
             ``futures`` do not belong to a dask_ddp job started from this process.
         """
-        from .job import _job_for
+        from ._client.job import _job_for
 
         job = _job_for(futures)
         root = Path(prefix)

@@ -98,7 +98,7 @@ def slow_publish(monkeypatch: pytest.MonkeyPatch) -> float:
     """The supervisor publishes each attempt's futures this many seconds late (it runs in
     this process: a LocalCluster's scheduler does), so that a short job ends before they
     are published."""
-    from dask_ddp import _launcher
+    from dask_ddp._scheduler import launcher as _launcher
 
     delay = 2.0
     publish = _launcher.Launcher.publish

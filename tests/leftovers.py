@@ -36,7 +36,7 @@ async def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
 
 
 def _busy_rank(seconds: float) -> str | None:
-    from dask_ddp._slot import PROCESS
+    from dask_ddp._rank.slot import PROCESS
 
     if PROCESS.wait_idle(seconds):
         return None
@@ -59,7 +59,7 @@ def leftovers(client: Client) -> list[str]:
 
 
 def clean_up(client: Client) -> None:
-    from dask_ddp import _cluster
+    from dask_ddp._client import calls as _cluster
 
     for job_id, _, _ in client.run_on_scheduler(_held_and_running)["jobs"]:
         with contextlib.suppress(Exception):

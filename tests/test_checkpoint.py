@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dask_ddp import checkpoint
-from dask_ddp.checkpoint import UnsafeCheckpointError
+from dask_ddp._rank import checkpoint
+from dask_ddp._rank.checkpoint import UnsafeCheckpointError
 
 
 def _state(step: int) -> dict:

@@ -24,10 +24,10 @@ import torch
 from distributed import Client
 
 import dask_ddp
-from dask_ddp import checkpoint
-from dask_ddp._ledger import CheckpointLedger
-from dask_ddp._saving import Saver
-from dask_ddp._slot import CheckpointSettings
+from dask_ddp._rank import checkpoint
+from dask_ddp._rank.saving import Saver
+from dask_ddp._rank.slot import CheckpointSettings
+from dask_ddp._scheduler.ledger import CheckpointLedger
 
 
 def _options(endpoint: str) -> dict:
@@ -327,7 +327,7 @@ def test_a_save_without_buffers_is_copied_on_its_device_and_moved_off_the_traini
     )  # fmt: skip
     state = _training_state()
     expected = copy.deepcopy(state)
-    with caplog.at_level(logging.DEBUG, logger="dask_ddp._saving"):
+    with caplog.at_level(logging.DEBUG, logger="dask_ddp._rank.saving"):
         first = saver.save(state, step=1)
         _change_everything(state)
         assert first.wait(60).step == 1
@@ -344,7 +344,7 @@ def test_a_save_without_buffers_is_copied_on_its_device_and_moved_off_the_traini
     asked.clear()
     caplog.clear()
     expected = copy.deepcopy(state)
-    with caplog.at_level(logging.DEBUG, logger="dask_ddp._saving"):
+    with caplog.at_level(logging.DEBUG, logger="dask_ddp._rank.saving"):
         assert saver.save(state, step=2).wait(60).step == 2
     assert asked == [] and "moved off" not in caplog.text
     assert _kept(saver) == kept  # the same buffers, reused
@@ -373,7 +373,7 @@ def test_a_state_too_large_for_memory_is_saved_synchronously_with_one_warning(
         memory=lambda: (900 << 20, 1 << 30),  # 900 MB used of 1 GiB: 4 MB more is too much
     )  # fmt: skip
     big = torch.zeros(1 << 20)
-    with caplog.at_level(logging.WARNING, logger="dask_ddp._saving"):
+    with caplog.at_level(logging.WARNING, logger="dask_ddp._rank.saving"):
         infos = [saver.save({"w": big}, step=s) for s in (1, 2)]
     saver.finish()
     assert [type(i).__name__ for i in infos] == ["CheckpointInfo", "CheckpointInfo"]

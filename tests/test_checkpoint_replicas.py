@@ -19,7 +19,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_ddp
-from dask_ddp import checkpoint
+from dask_ddp._rank import checkpoint
 
 STEPS, EVERY = 12, 3  # checkpoints at steps 2, 5, 8, 11
 
@@ -208,7 +208,7 @@ def test_per_rank_state_resumes_from_the_replica_that_survived(
 
 
 def _held(job_id: str, dask_worker=None) -> int:
-    from dask_ddp._replicas import STORE
+    from dask_ddp._rank.replicas import STORE
 
     return sum(1 for key in STORE.held() if key[0] == job_id)
 
@@ -219,7 +219,8 @@ def _unannounced(directory: str, go: str) -> dict:
     ``go``), it is killed. The next attempt reports where its state came from."""
     from distributed import Event
 
-    from dask_ddp import _protocol, _saving
+    from dask_ddp._rank import saving as _saving
+    from dask_ddp._shared import protocol as _protocol
 
     ctx = dask_ddp.get_context()
     state = dask_ddp.get_checkpoint()
@@ -265,7 +266,7 @@ def test_a_replica_its_rank_did_not_announce_is_found_on_its_holder(
 
 # --- a replica fetched piece by piece (PeerLink, worker to worker) ---
 def _hold(job_id: str, step: int, data: bytes, dask_worker=None) -> None:
-    from dask_ddp._replicas import STORE
+    from dask_ddp._rank.replicas import STORE
 
     STORE.reserve((job_id, 0, None), len(data), budget=2**40, memory=None)
     assert STORE.put((job_id, 0, None), step, data)
@@ -274,7 +275,7 @@ def _hold(job_id: str, step: int, data: bytes, dask_worker=None) -> None:
 def _fetch(job_id: str, holder: str, step: int, piece: int) -> tuple[str, bytes | None, bool]:
     from distributed import get_worker
 
-    from dask_ddp._replicas import PeerLink
+    from dask_ddp._rank.replicas import PeerLink
 
     got = PeerLink(get_worker(), job_id, piece=piece).fetch(holder, 0, None, step)
     if got is None:
@@ -288,7 +289,7 @@ def _put_again_and_again(job_id: str, step: int, versions: list[bytes], dask_wor
     would): a fetch running meanwhile must never mix pieces of two."""
     import time
 
-    from dask_ddp._replicas import STORE
+    from dask_ddp._rank.replicas import STORE
 
     deadline, puts = time.monotonic() + 3, 0
     while time.monotonic() < deadline:
@@ -302,7 +303,7 @@ def _put_again_and_again(job_id: str, step: int, versions: list[bytes], dask_wor
 
 @pytest.fixture
 def holder_and_reader(killing_cluster: LocalCluster) -> Iterator[tuple[Client, str, str]]:
-    from dask_ddp._replicas import ReplicaPlugin
+    from dask_ddp._rank.replicas import ReplicaPlugin
 
     with Client(killing_cluster) as client:
         client.wait_for_workers(2, timeout="60s")

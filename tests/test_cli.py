@@ -138,7 +138,7 @@ def test_exits_promptly_after_success_leaving_nothing(tmp_path: Path) -> None:
 def test_the_command_s_processes_are_gone_when_it_exits() -> None:
     # A killed process with much memory takes a while to end (its pages are freed): the
     # command waits for that, as for its workers, template and ranks, before it exits.
-    from dask_ddp.__main__ import _kill_and_wait
+    from dask_ddp._client.cli import _kill_and_wait
 
     big = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; b = bytearray(2 << 30); print(1, flush=True); "

@@ -2,7 +2,7 @@
 
 ``benchmarks/control_plane.py`` measures 64, 256 and 1,000 ranks; this runs its
 :func:`measure` once at 64 with a short window: a real scheduler process with dask-ddp's
-plugin, 64 Dask workers hosted by two lane processes (:mod:`dask_ddp._lanes`), one job
+plugin, 64 Dask workers hosted by two lane processes (:mod:`dask_ddp._rank.lanes`), one job
 through the real supervisor and rank task (``report()``, status, checkpoints through the
 job's store), a rank failure and the abort of the others. It checks what the benchmark's
 table reports, never how fast.

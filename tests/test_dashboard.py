@@ -23,7 +23,7 @@ from dask.utils import key_split
 from distributed import Client, Event
 
 import dask_ddp
-from dask_ddp import view
+from dask_ddp._shared import view
 
 ARTIFACTS = Path(os.environ.get("DASK_DDP_ARTIFACTS", Path(__file__).parent.parent / "artifacts"))
 
@@ -341,7 +341,7 @@ def test_the_view_reads_in_light_and_dark_themes(
 def test_the_scheduler_keeps_a_capped_summary_of_each_job() -> None:
     """Scheduler memory stays bounded whatever a job reports: the summary the page draws
     keeps 200 curve points and 16 values a rank, never the records themselves."""
-    from dask_ddp._progress import Progress
+    from dask_ddp._shared.progress import Progress
 
     progress = Progress()
     progress.place(["tcp://10.0.0.1:1"])
@@ -358,7 +358,7 @@ def test_the_scheduler_keeps_a_capped_summary_of_each_job() -> None:
 def test_the_page_of_a_large_job_stays_small() -> None:
     """The page's curve points are shared among the ranks: a 1,000-rank job's summary
     holds about 20,000 points, not 200 for each rank (which made 1-1.5 MB of JSON)."""
-    from dask_ddp._progress import Progress
+    from dask_ddp._shared.progress import Progress
 
     progress = Progress()
     progress.place([f"tcp://10.0.{r // 250}.{r % 250}:1" for r in range(1000)])
@@ -431,7 +431,7 @@ def test_pages_waiting_for_a_change_are_woken_at_once_then_in_batches() -> None:
     import random
     import statistics
 
-    from dask_ddp._dashboard import Changes
+    from dask_ddp._scheduler.page import Changes
 
     gap = 0.05
 

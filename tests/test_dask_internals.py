@@ -1,4 +1,5 @@
-"""distributed's private API as dask_ddp uses it (dask_ddp._dask_internals), on a real cluster.
+"""distributed's private API as dask_ddp uses it (dask_ddp._shared.dask_internals), on a real
+cluster.
 
 Each test exercises one function against the installed distributed; the releases they were
 checked against are ``_dask_internals.CHECKED_WITH``. A failure after an upgrade names the
@@ -15,10 +16,13 @@ from distributed import Client
 from distributed.utils_test import poll_for
 
 import dask_ddp
-from dask_ddp import _dask_internals, _protocol, _replicas, _topics
+from dask_ddp._client import topics as _topics
+from dask_ddp._rank import replicas as _replicas
+from dask_ddp._shared import dask_internals as _dask_internals
+from dask_ddp._shared import protocol as _protocol
 
 
-# --- used by dask_ddp.events and dask_ddp._replicas ---
+# --- used by dask_ddp._rank.channel and dask_ddp._rank.replicas ---
 async def _echo(text: str = "") -> str:
     return text.upper()
 
@@ -197,7 +201,7 @@ def test_our_subscription_keeps_the_users_handler_on_the_same_topic(client: Clie
     client.unsubscribe_topic("users-topic")
 
 
-# --- used by dask_ddp._dashboard ---
+# --- used by dask_ddp._scheduler.page ---
 def test_http_prefix_and_removing_an_application(client: Client) -> None:
     assert client.run_on_scheduler(lambda dask_scheduler: _dask_internals.http_prefix(
         dask_scheduler)) == "/"  # fmt: skip
@@ -272,7 +276,7 @@ def test_is_adaptive(client: Client) -> None:
     assert not _dask_internals.is_adaptive(Client.__new__(Client))  # no cluster object
 
 
-# --- used by dask_ddp._plugin and dask_ddp._cluster: the plugin's handlers, by name ---
+# --- used by dask_ddp._scheduler.plugin and dask_ddp._client.calls: the plugin's handlers, by name
 def _serve_scheduler_echo(dask_scheduler=None) -> None:
     async def echo(spec: object = None, text: str = "") -> dict:
         return {"spec": repr(spec), "text": text.upper()}

@@ -53,8 +53,8 @@ async def _worker_state() -> dict:
     import asyncio
     import multiprocessing
 
-    from dask_ddp import _rankproc
-    from dask_ddp._slot import PROCESS
+    from dask_ddp._rank import rankproc as _rankproc
+    from dask_ddp._rank.slot import PROCESS
 
     def daemon() -> bool:
         # A spare rank process's fork lifts the worker's daemon flag while it runs, under
@@ -227,7 +227,7 @@ def test_failing_rank_fails_the_job_fast(own_cluster) -> None:
         assert err.rank == 1 and err.worker == job.workers[1] and err.key == job.futures[1].key
         assert "bad batch at step 5" in str(err)
         assert "_fail_at_step" in err.rank_traceback  # the rank's own frames
-        assert "bootstrap.py" not in err.rank_traceback  # not ours, nor distributed's
+        assert "_rank/tasks.py" not in err.rank_traceback  # not ours, nor distributed's
         assert "distributed" not in err.rank_traceback
         assert "^^^" not in err.rank_traceback  # columns do not survive the trip
         assert err.rank_traceback.startswith("Traceback (most recent call last):")

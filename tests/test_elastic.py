@@ -87,7 +87,7 @@ def counted(
 
 
 def _final_state(directory: Path) -> dict:
-    from dask_ddp import checkpoint
+    from dask_ddp._rank import checkpoint
 
     found = checkpoint.latest(str(directory))
     assert found is not None
@@ -318,7 +318,7 @@ def _rank0_fails_before_its_checkpoint() -> int:
     rank 0 fails once rank 1 waits, before its own checkpoint."""
     from datetime import timedelta
 
-    from dask_ddp._slot import this_slot
+    from dask_ddp._rank.slot import this_slot
 
     ctx = dask_ddp.get_context()
     if ctx.rank == 0:  # rank 1 says in the job's store which step it waits at, then waits

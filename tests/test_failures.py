@@ -8,7 +8,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_ddp
-from dask_ddp import _traceback, view
+from dask_ddp._shared import tracebacks as _traceback
+from dask_ddp._shared import view
 
 
 def _fail_on_rank_1() -> None:
@@ -38,7 +39,7 @@ def test_the_error_is_raised_from_the_rank_s_own_traceback(client: Client):
     printed = "".join(traceback.format_exception(err))
     assert printed.count("bad batch at step 2") == 3  # cause line, its source, the summary
     assert "distributed" not in printed.split("direct cause")[0]  # no Dask frames
-    assert "bootstrap.py" not in printed
+    assert "_rank/tasks.py" not in printed
     assert "(printed above, as the cause)" in str(err)
     assert 'raise ValueError("bad batch at step 2")' in err.rank_traceback
 
@@ -120,7 +121,7 @@ def test_in_a_notebook_the_error_reads_once_from_the_cell_that_raised(tmp_path) 
     assert "Cell In[2], line 4" in shown, shown  # the def cell, the line that raised
     assert "raise ValueError('bad batch at step 0')" in shown
     rank_part = shown.split("direct cause")[0]
-    assert "bootstrap.py" not in shown and "site-packages" not in rank_part  # no Dask frames
+    assert "_rank/tasks.py" not in shown and "site-packages" not in rank_part  # no Dask frames
     assert "<dynamic-code>" not in shown
     printed = "".join(o.get("text", "") for c in nb.cells for o in c.outputs)
     assert "Compute Failed" not in printed

@@ -119,7 +119,7 @@ def _save_and_reload() -> dict:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record.getMessage())
 
-    saving = logging.getLogger("dask_ddp._saving")
+    saving = logging.getLogger("dask_ddp._rank.saving")
     handler, level = Keep(), saving.level
     saving.addHandler(handler)
     saving.setLevel(logging.DEBUG)
@@ -216,7 +216,7 @@ def test_the_driver_check_sees_cuda_start() -> None:
 
 
 def test_a_checkpoint_copy_on_the_gpu_leaves_training_s_memory_alone() -> None:
-    from dask_ddp._saving import room_on_gpu
+    from dask_ddp._rank.saving import room_on_gpu
 
     free, _ = torch.cuda.mem_get_info()
     assert room_on_gpu(torch.device("cuda", 0), 1 << 20)

@@ -25,7 +25,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_ddp
-from dask_ddp import _dask_internals
+from dask_ddp._shared import dask_internals as _dask_internals
 
 # The training function, as the killed client's script defines it (so it is sent by value,
 # as a notebook's function is) and as the tests define it for an uninterrupted reference.

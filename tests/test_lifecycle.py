@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 import dask_ddp
-from dask_ddp import _lifecycle as lc
-from dask_ddp._protocol import RankOutcome, Verdict
-from dask_ddp._types import JobState
+from dask_ddp._scheduler import lifecycle as lc
+from dask_ddp._shared.protocol import RankOutcome, Verdict
+from dask_ddp._shared.values import JobState
 
 SEQUENCES = int(os.environ.get("DASK_DDP_MODEL_SEQUENCES", "5000"))
 

@@ -60,7 +60,7 @@ def test_rank_lifts_the_workers_trim_threshold_in_its_own_process_only(client: C
 
 
 def _idle() -> bool:
-    from dask_ddp._slot import PROCESS
+    from dask_ddp._rank.slot import PROCESS
 
     return PROCESS.wait_idle(30)
 

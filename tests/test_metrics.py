@@ -15,10 +15,10 @@ from distributed import Client, Event, LocalCluster
 from distributed.utils_test import poll_for
 
 import dask_ddp
-from dask_ddp import _protocol
-from dask_ddp._model import JobModel
-from dask_ddp._reader import EventReader
-from dask_ddp.view import WidgetView, progress_line, render_html
+from dask_ddp._client.model import JobModel
+from dask_ddp._client.reader import EventReader
+from dask_ddp._shared import protocol as _protocol
+from dask_ddp._shared.view import WidgetView, progress_line, render_html
 
 
 def _burst(n: int) -> int:
@@ -146,7 +146,7 @@ def test_a_failing_on_report_is_logged_and_dropped(
         calls.append(rec)
         raise RuntimeError("tensorboard is down")
 
-    with caplog.at_level(logging.ERROR, logger="dask_ddp._reader"):
+    with caplog.at_level(logging.ERROR, logger="dask_ddp._client.reader"):
         job = dask_ddp.launch(client, _burst, args=(100,), on_report=broken)
         assert job.result(timeout=120) == [100, 100]
     assert len(calls) == 1
@@ -265,7 +265,7 @@ def test_missing_events_are_filled_from_the_scheduler(
         assert [r.step for r in model.metrics] == [0, 1, 2, 3, 4, 5]
         client.log_event(topic, event(2, range(2, 5)))  # a duplicate changes nothing
         # What the scheduler never held is reported lost, and the rest goes on.
-        with caplog.at_level(logging.WARNING, logger="dask_ddp._reader"):
+        with caplog.at_level(logging.WARNING, logger="dask_ddp._client.reader"):
             client.log_event(topic, event(9, range(9, 10)))
             _until(model, lambda: len(model.metrics) == 7)
         assert [r.step for r in model.metrics][-1] == 9
@@ -480,7 +480,7 @@ def test_job_event_rate_bounds_a_large_job_s_flush_interval() -> None:
 def test_the_curve_reads_a_loss_that_falls_five_decades() -> None:
     import math
 
-    from dask_ddp import view
+    from dask_ddp._shared import view
 
     ranks = [
         {"rank": r, "curve": [(s, (2.3 - r / 10) * math.exp(-s / 15)) for s in range(200)]}
@@ -497,7 +497,7 @@ def test_the_curve_reads_a_loss_that_falls_five_decades() -> None:
 
 
 def test_smoothing_is_tensorboards() -> None:
-    from dask_ddp import view
+    from dask_ddp._shared import view
 
     assert view.smoothed([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # debiased
     assert view.smoothed([0.0, 10.0]) == pytest.approx([0.0, 6.25])
@@ -550,7 +550,7 @@ def test_the_views_are_redrawn_at_once_when_idle_and_paced_under_a_stream(
     `_VIEW_GAP`, and a slow view (one whose redraw takes d) waits d / `_VIEW_SHARE`, so that
     drawing never takes more than that share of the client's loop. (On a clock of the
     test's: what it checks is the schedule, not the machine's speed.)"""
-    from dask_ddp import _model
+    from dask_ddp._client import model as _model
 
     clock = [1000.0]
     monkeypatch.setattr(_model.time, "monotonic", lambda: clock[0])

@@ -7,8 +7,8 @@ import sys
 from distributed import Client
 
 import dask_ddp
-from dask_ddp.job import OutputLine
-from dask_ddp.view import render_html
+from dask_ddp._client.job import OutputLine
+from dask_ddp._shared.view import render_html
 
 
 def _chatty(n: int) -> int:

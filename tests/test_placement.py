@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from dask_ddp.errors import BackendUnavailableError, PlacementError
-from dask_ddp.placement import (
+from dask_ddp._shared.placement import (
     RankPlacement,
     WorkerInfo,
     choose_backend,
@@ -15,6 +14,7 @@ from dask_ddp.placement import (
     plan_ranks,
     select_workers,
 )
+from dask_ddp.errors import BackendUnavailableError, PlacementError
 
 
 def test_ranks_grouped_by_host_then_address() -> None:
@@ -244,7 +244,7 @@ def test_ranks_that_would_share_a_gpu_get_gloo_or_a_clear_error() -> None:
 def test_a_rank_follows_the_list_its_process_s_cuda_started_under(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dask_ddp import _cuda
+    from dask_ddp._rank import cuda as _cuda
 
     workers = [
         WorkerInfo("tcp://h:1", "h", 4, "0,1,2,3"),
@@ -258,7 +258,7 @@ def test_a_rank_follows_the_list_its_process_s_cuda_started_under(
     # Its worker's CUDA started before (under dask-cuda's list): the GPU is found there,
     # with a warning that cuda:LOCAL_RANK is another GPU in this process.
     monkeypatch.setattr(_cuda, "_started_under", ["2,3,0,1"])
-    with caplog.at_level("WARNING", logger="dask_ddp._cuda"):
+    with caplog.at_level("WARNING", logger="dask_ddp._rank.cuda"):
         assert str(_cuda.rank_device(second, "job")) == "cuda:0"
     assert "not cuda:1 as planned (LOCAL_RANK is 1)" in caplog.text
     monkeypatch.setattr(_cuda, "_started_under", ["0,1"])  # a list without its GPU

@@ -1,4 +1,4 @@
-"""The process-level measures of a rank (dask_ddp._process), each on the real thing."""
+"""The process-level measures of a rank (dask_ddp._rank.process), each on the real thing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 import torch.distributed as dist
 
-from dask_ddp import _process
+from dask_ddp._rank import process as _process
 
 
 def _grandchild() -> None:

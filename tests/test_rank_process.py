@@ -262,8 +262,8 @@ def test_a_rank_s_first_full_collection_leaves_the_template_s_objects_alone(
 TEMPLATE_SET_UP = """
 import gc, os, sys
 from torch.distributed.distributed_c10d import Backend
-import dask_ddp._template
-from dask_ddp._template import TEMPLATE_MARK
+import dask_ddp._rank.template
+from dask_ddp._rank.template import TEMPLATE_MARK
 
 pid = os.fork()
 if pid == 0:
@@ -282,7 +282,7 @@ def test_only_the_template_sets_itself_up(template: bool) -> None:
     # otherwise freeze its objects for good.
     import subprocess
 
-    from dask_ddp._template import TEMPLATE_MARK
+    from dask_ddp._rank.template import TEMPLATE_MARK
 
     env = {k: v for k, v in os.environ.items() if k != TEMPLATE_MARK}
     if template:
@@ -301,7 +301,7 @@ def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
     import multiprocessing
     import queue
 
-    from dask_ddp import _rankproc
+    from dask_ddp._rank import rankproc as _rankproc
 
     task_end, rank_end = multiprocessing.Pipe(duplex=True)
     link = _rankproc.RankLink(rank_end, _rankproc._ThreadAhead(), [])
@@ -319,7 +319,7 @@ def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
 def test_a_spare_stopped_or_let_go_before_its_go_just_returns(first: str) -> None:
     import multiprocessing
 
-    from dask_ddp import _rankproc
+    from dask_ddp._rank import rankproc as _rankproc
 
     task_end, rank_end = multiprocessing.Pipe(duplex=True)
     link = _rankproc.RankLink(rank_end, _rankproc._ThreadAhead(), [])
@@ -337,7 +337,7 @@ def test_the_interface_of_an_address_is_read_again_when_it_is_new(monkeypatch) -
 
     import psutil
 
-    from dask_ddp import _process
+    from dask_ddp._rank import process as _process
 
     _process._interfaces.cache_clear()
     assert _process.interface_of("127.0.0.1") == "lo"
@@ -492,7 +492,7 @@ def test_a_template_given_out_is_never_stopped_while_held() -> None:
     # slowed here, so that the second nanny comes in the middle of it.
     import threading
 
-    from dask_ddp import _template
+    from dask_ddp._rank import template as _template
 
     stopping = threading.Event()
 
@@ -524,10 +524,10 @@ def test_a_worker_killed_mid_request_leaves_the_template_forking(monkeypatch) ->
     # forkserver loop (EOFError), and the other workers' next forks were refused.
     import socket
 
-    from dask_ddp import _template
+    from dask_ddp._rank import template as _template
 
     template = _template._Own()
-    template.set_forkserver_preload(["dask_ddp._template"])  # its own set-up, no more
+    template.set_forkserver_preload(["dask_ddp._rank.template"])  # its own set-up, no more
     address, pid = template.address()
     monkeypatch.setattr(_template, "_here", template)  # what this process forks from
     try:
@@ -549,7 +549,7 @@ def _use_a_held_store() -> dict[str, Any]:
 
     import psutil
 
-    from dask_ddp import _storehost
+    from dask_ddp._rank import storehost as _storehost
 
     worker = distributed.get_worker()
     store = _storehost.open_store(worker, worker.ip, 30)

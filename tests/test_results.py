@@ -20,7 +20,10 @@ from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dask_ddp
-from dask_ddp import _protocol, _reader, dispatch, events
+from dask_ddp import dispatch
+from dask_ddp._client import reader as _reader
+from dask_ddp._rank import channel as events
+from dask_ddp._shared import protocol as _protocol
 from dask_ddp.results import DaskResultsHandler, _safe_target
 
 # As in the predecessor's README: a handler created on the client and captured by the

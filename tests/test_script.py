@@ -129,7 +129,7 @@ def test_a_worker_that_does_not_see_the_folder_gets_the_modules_shipped(
 ) -> None:
     """The script's folder exists on the client only: the rank imports a copy of the
     modules the script imports from there, then the worker is as it was."""
-    from dask_ddp.script import ScriptFiles, run_script, script_files
+    from dask_ddp._shared.script import ScriptFiles, run_script, script_files
 
     folder = tmp_path / "project"
     folder.mkdir()
@@ -168,7 +168,11 @@ def test_over_the_limit_the_folder_serves_workers_that_see_it(
 
 
 def test_what_is_wrong_is_said_with_the_fix() -> None:
-    from dask_ddp.script import ScriptModulesTooLargeError, ScriptSettingsError, script_settings
+    from dask_ddp._shared.script import (
+        ScriptModulesTooLargeError,
+        ScriptSettingsError,
+        script_settings,
+    )
 
     block = "# /// script\n# [tool.dask-ddp]\n# {}\n# ///\n"
     with pytest.raises(ScriptSettingsError, match=r"t.py: .* 'resum'; known keys: resume"):
@@ -188,7 +192,7 @@ def test_a_package_s_module_runs_as_python_m_where_the_worker_does_not_see_it(
     """torchrun's ``-m pkg.train`` from the client's working directory: on a worker that
     does not see that folder, the module, its package and what it imports from there are
     shipped, and it runs as ``python -m`` runs it (relative imports, ``__spec__``)."""
-    from dask_ddp.script import ScriptFiles, module_files, run_module
+    from dask_ddp._shared.script import ScriptFiles, module_files, run_module
 
     project = tmp_path / "project"
     (project / "pkg").mkdir(parents=True)

@@ -1,4 +1,5 @@
-"""The per-process slot of the rank side (dask_ddp._slot) and what the context reads from it."""
+"""The per-process slot of the rank side (dask_ddp._rank.slot) and what the context reads
+from it."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 
 import dask_ddp
-from dask_ddp._protocol import EventPlan, RankSpec, Rendezvous
-from dask_ddp._slot import PROCESS, CheckpointSettings, ProcessSlot, RankContext, RankRun
-from dask_ddp.context import _activated
-from dask_ddp.placement import RankPlacement
+from dask_ddp._rank.context import _activated
+from dask_ddp._rank.slot import PROCESS, CheckpointSettings, ProcessSlot, RankContext, RankRun
+from dask_ddp._shared.placement import RankPlacement
+from dask_ddp._shared.protocol import EventPlan, RankSpec, Rendezvous
 
 
 def _run(job: str = "3f2a", rank: int = 0) -> RankRun:
@@ -116,7 +117,7 @@ def test_the_context_is_the_running_ranks_only_while_its_function_runs() -> None
 
 
 def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> None:
-    from dask_ddp import bootstrap
+    from dask_ddp._rank import tasks as bootstrap
 
     # The client stops a job whose task the worker has started but whose rank has not
     # claimed the slot yet: nothing to abort now, so the stop is remembered.
@@ -135,8 +136,8 @@ def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> 
 def test_a_rank_stopped_while_it_connects_to_a_gone_store_stops_there() -> None:
     import socket
 
-    from dask_ddp import bootstrap
-    from dask_ddp._slot import StopRequested
+    from dask_ddp._rank import tasks as bootstrap
+    from dask_ddp._rank.slot import StopRequested
 
     # Rank 0's store is gone (closed by the abort, or with its worker): rank 1 connects to
     # a port nothing listens on. Stopped meanwhile, it stops at the next try, a safe point,
@@ -163,7 +164,7 @@ def test_ranks_released_by_an_abort_all_stop_at_the_rendezvous_even_the_last_to_
 
     import torch.distributed as dist
 
-    from dask_ddp import bootstrap
+    from dask_ddp._rank import tasks as bootstrap
 
     # The abort released the rendezvous before every rank joined. The last rank to join
     # must read that word too, not write "all joined" over it: had it gone on into

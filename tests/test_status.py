@@ -15,9 +15,11 @@ from distributed import Client, Event
 from distributed.utils_test import poll_for
 
 import dask_ddp
-from dask_ddp import _protocol, _status, events
-from dask_ddp._slot import PROCESS, RankRun
-from dask_ddp.view import progress_line, render_html
+from dask_ddp._rank import channel as events
+from dask_ddp._rank import status as _status
+from dask_ddp._rank.slot import PROCESS, RankRun
+from dask_ddp._shared import protocol as _protocol
+from dask_ddp._shared.view import progress_line, render_html
 
 _FILLED = "2 files in the cache"
 
@@ -90,7 +92,7 @@ def test_watch_prints_phases_and_activity(client: Client) -> None:
 
 
 def test_status_calls_outside_a_rank_only_log(caplog) -> None:
-    with caplog.at_level("INFO", logger="dask_ddp._status"):
+    with caplog.at_level("INFO", logger="dask_ddp._rank.status"):
         _status.activity("listing s3://bucket/train")
         _status.phase(_status.RUNNING)
         _status.follow(".", lambda: "never said")()

@@ -182,7 +182,7 @@ def test_no_python_runs_a_program_with_torchrun_s_environment(tmp_path: Path) ->
 def test_the_rendezvous_options_are_said_once_quietly(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dask_ddp.__main__ import _check, _log_torchrun_options, _parser
+    from dask_ddp._client.cli import _check, _log_torchrun_options, _parser
 
     (tmp_path / "train.py").write_text("import torch\n")
     parser = _parser()

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dask_ddp import _dask_internals
+from dask_ddp._shared import dask_internals as _dask_internals
 from dask_ddp.data._collection_plan import Key, _Piece, _ShardPlan
 from dask_ddp.data._errors import DatasetPartitionLostError
 from dask_ddp.data._prefetch import Prefetcher
@@ -405,7 +405,7 @@ def _check_batch_size(batch_size: int) -> None:
 
 #: In a rank's own process, how it asks its worker for a window's rows (the worker holds
 #: the partitions and the connections): ``load(plan, pieces, fmt) -> (rows, counts)``.
-#: Set once, by the rank's process for itself (:func:`dask_ddp.bootstrap.run_in_process`).
+#: Set once, by the rank's process for itself (:func:`dask_ddp._rank.tasks.run_in_process`).
 _load_in_worker: Callable[..., tuple[Any, dict[str, float]]] | None = None
 
 

@@ -21,7 +21,7 @@ import fsspec.asyn
 import fsspec.core
 from torch.utils.data import Dataset
 
-from dask_ddp import _activity
+from dask_ddp._shared import activity as _activity
 from dask_ddp.data._errors import (
     CorruptDataError,
     CorruptSamples,

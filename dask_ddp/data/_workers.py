@@ -25,7 +25,7 @@ def freeze_inherited_objects() -> None:
     pages), so a full collection takes milliseconds. Python's documentation gives this
     pattern for forked workers. Objects frozen are never collected, so whatever garbage
     the worker inherited stays. The rank's own objects are never frozen (its template's are:
-    :mod:`dask_ddp._template`).
+    :mod:`dask_ddp._rank.template`).
     """
     global _checked_pid
     pid = os.getpid()

@@ -115,7 +115,7 @@ class DaskDDPCheckpoint(Callback):
     def resume_path() -> str | None:
         """The job's newest checkpoint, for ``trainer.fit(..., ckpt_path=)``: None on a
         job's first attempt, without ``checkpoint_dir``, or outside a dask_ddp rank."""
-        from ..context import _latest_checkpoint_url
+        from .._rank.context import _latest_checkpoint_url
 
         try:
             return _latest_checkpoint_url()

@@ -1,0 +1,951 @@
+"""What runs on the workers: the probe before launch, and the rank task itself.
+
+The rank task (:func:`run_rank`) starts the rank's own process (:mod:`dask_ddp._rank.rankproc`)
+and serves it; in that process (:func:`run_in_process`) the torchrun environment is set,
+the rank joins the process group and calls the user's function. The worker's own process
+is never changed by a rank. (In a process hosting lanes, simulated ranks, the rank runs in
+the task's thread.)
+
+A rank is stopped (:func:`abort_rank`): its process group gets SIGTERM, which its main
+thread turns into :class:`~dask_ddp._rank.slot.StopRequested` wherever it is in Python, and
+SIGKILL after ``ddp.failure-grace``; a rendezvous it waits in is released. Its outcome
+(:func:`outcome_of`) is decided in its process, from the exception object.
+
+Rendezvous: the probe opens the job's ``TCPStore`` on rank 0's worker (port 0, so the OS
+picks a free port; on the worker's own address, not every interface) before any rank task
+is submitted. The store therefore listens before any rank connects, and two jobs never
+share a port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import cloudpickle
+
+from .._shared import tracebacks as _traceback
+from .._shared.protocol import RankOutcome, RankSpec, Verdict
+from ..errors import (
+    InfrastructureError,
+    RankStoppedError,
+    RendezvousTimeoutError,
+    RetryableError,
+    WorkerBusyError,
+)
+from . import channel as events
+from . import cuda as _cuda
+from . import malloc as _malloc
+from . import output as _output
+from . import process as _process
+from . import replicas as _replicas
+from . import resize as _resize
+from . import resume as _resume
+from . import saving as _saving
+from . import status as _status
+from . import storehost as _storehost
+from .context import _activated
+from .slot import (
+    LEFTOVER_DELAY,
+    PROCESS,
+    CheckpointSettings,
+    ProcessSlot,
+    RankContext,
+    RankRun,
+    StopRequested,
+    slot_for,
+)
+
+logger = logging.getLogger(__name__)
+
+_FAILURES = "dask-ddp/failures"
+_FIRST_FAILURE = "dask-ddp/first-failure"
+_FIRST_ERROR = "dask-ddp/first-error"
+_MAX_ERROR_CHARS = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class Resized:
+    """What a rank task returns when its elastic job stopped at the checkpoint of ``step``
+    to change size: the task ended without an error, and the job goes on in a new
+    placement (its supervisor reads the rank's final marker, never this value)."""
+
+    step: int
+
+
+def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOutcome:
+    """How a rank ended, decided here, on the rank, from the exception object itself: what
+    its final marker tells the supervisor (which never reads an exception's text).
+
+    An error earns a restart (``retry``) when it is a :class:`~dask_ddp.RetryableError`
+    (the user asks for one) or an :class:`~dask_ddp.InfrastructureError` (what runs the
+    job failed, not the job's code: a sample fetch, the store, a rendezvous).
+
+    >>> outcome_of(Resized(40)).verdict.value
+    'grow'
+    >>> o = outcome_of(error=RankStoppedError(0, "ValueError: x", failed_rank=1))
+    >>> o.verdict.value, o.failed_rank
+    ('stopped', 1)
+    >>> o = outcome_of(error=ValueError("bad batch"))
+    >>> o.verdict.value, o.error_class, o.summary
+    ('fail', 'builtins.ValueError', 'ValueError: bad batch')
+    >>> outcome_of(error=RendezvousTimeoutError(1, "tcp://a:1", "k", 60.0, "x")).verdict.value
+    'retry'
+    """
+    if error is None:
+        if isinstance(value, Resized):
+            return RankOutcome(Verdict.GROW, step=value.step)
+        return RankOutcome(Verdict.DONE)
+    if isinstance(error, RankStoppedError):
+        peer_lost = error.failed_rank is not None and error.failed_rank < 0
+        return RankOutcome(
+            Verdict.STOPPED,
+            _class_path(error),
+            error.reason[:_MAX_ERROR_CHARS],
+            failed_rank=None if peer_lost else error.failed_rank,
+            peer_lost=peer_lost,
+        )
+    retry = isinstance(error, (RetryableError, InfrastructureError))
+    return RankOutcome(
+        Verdict.RETRY if retry else Verdict.FAIL,
+        _class_path(error),
+        f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS],
+        _traceback.plain_text(error),
+    )
+
+
+def _class_path(error: BaseException) -> str:
+    cls = type(error)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _gpu_count(worker: Any, slot: ProcessSlot) -> int:
+    """The worker's GPUs (it sees them through its own ``CUDA_VISIBLE_DEVICES``, which does
+    not change while it lives): counted once, where its ranks run (a process forked from
+    its template, :func:`dask_ddp._rank.rankproc.count_gpus`; a lane's thread, with torch in
+    the worker)."""
+    if not _gpus:
+        if slot is PROCESS:
+            from . import rankproc as _rankproc
+
+            _gpus.append(_rankproc.count_gpus(worker))
+        else:
+            import torch
+
+            _gpus.append(torch.cuda.device_count())
+    return _gpus[0]
+
+
+_gpus: list[int] = []  # this worker's GPU count, once counted
+
+
+def _open_store(job_id: str, worker: Any, timeout: float, slot: ProcessSlot) -> int:
+    """Open ``job_id``'s store on this worker (on its own address) and keep it in ``slot``
+    for the job's rank 0; its port."""
+    store = _worker_store(worker, timeout, slot)
+    slot.put_store(job_id, store)
+    return store.port
+
+
+def _worker_store(worker: Any, timeout: float, slot: ProcessSlot) -> Any:
+    """A store listening on ``worker``'s address for a rank 0 of its: held by its store host
+    (:mod:`dask_ddp._rank.storehost`) when ranks run in processes of their own, so the worker
+    never imports torch; in the worker itself for a lane's rank 0, a thread here."""
+    if slot is PROCESS:
+        return _storehost.open_store(worker, worker.ip, timeout)
+    return _storehost.new_store(worker.ip, timeout)
+
+
+class _StoreAhead:
+    """A store opened on this worker ahead of the next job whose rank 0 it hosts: a warm
+    worker's probe hands it over at once, without a thread hop or the open (on 2 cores with
+    8 ranks starting, 2-4 ms of every launch). Opened once a rank 0 ended here (its job's
+    store taken), not while a launch needs the CPU; a probe that finds none opens one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ahead: tuple[str, Any] | None = None  # (host, store)
+
+    def take(self, job_id: str, host: str, timeout: float, slot: ProcessSlot) -> int | None:
+        """Give the store opened ahead on ``host`` to ``job_id`` (as :func:`_open_store`
+        does); its port, or None if none waits."""
+        with self._lock:
+            ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0] != host or slot is not PROCESS:
+            return None
+        store = ahead[1]
+        try:
+            store.set_timeout(timedelta(seconds=timeout))
+        except ConnectionError:  # its store host went (the probe opens another)
+            logger.debug("the store opened ahead on %s is gone", host, exc_info=True)
+            return None
+        slot.put_store(job_id, store)
+        return store.port
+
+    def open_later(self, worker: Any) -> None:
+        """Open the next one on ``worker``'s address :data:`~dask_ddp._rank.slot.LEFTOVER_DELAY`
+        from now, on a timer's thread (the task that ended has reported its end by then)."""
+        timer = threading.Timer(LEFTOVER_DELAY, self._open, args=(worker,))
+        timer.daemon = True
+        timer.start()
+
+    def _open(self, worker: Any) -> None:
+        with self._lock:
+            if self._ahead is not None:
+                return
+        try:
+            store = _worker_store(worker, _STORE_AHEAD_TIMEOUT, PROCESS)
+        except Exception:  # the next probe opens one, and says what fails
+            logger.debug("could not open a store ahead on %s", worker.ip, exc_info=True)
+            return
+        with self._lock:
+            if self._ahead is None:
+                self._ahead, store = (worker.ip, store), None
+        del store  # one opened meanwhile: this one closes
+
+
+_STORE_AHEAD = _StoreAhead()  # this worker's
+_STORE_AHEAD_TIMEOUT = 300.0  # seconds: replaced by the job's rendezvous timeout when taken
+
+
+async def probe_worker(
+    job_id: str, store_worker: str, store_timeout: float, dask_worker: Any = None
+) -> dict[str, Any]:
+    """Run by ``client.run`` on each chosen worker before launch.
+
+    Reports the worker's GPUs, its own ``CUDA_VISIBLE_DEVICES`` and the rank it is running,
+    if any; on rank 0's worker (``store_worker``) also opens the job's store. What takes
+    long (a fresh worker's template, the count of its GPUs, the store) runs in threads so
+    the worker's event loop stays responsive.
+    """
+    loop = asyncio.get_running_loop()
+    slot = slot_for(dask_worker)
+    # A warm worker answers at once: its GPUs counted before, its spare rank process
+    # waiting. A fresh one finds its template, forks its spare and counts its GPUs in a
+    # process forked from that template, in threads; the worker itself never imports torch.
+    if slot is PROCESS:
+        from . import rankproc as _rankproc
+        from . import template as _template
+
+        if not _rankproc.spare_waits():
+            await _template.find(dask_worker)
+            await loop.run_in_executor(None, _rankproc.warm, dask_worker)
+    gpus = _gpus[0] if _gpus else await loop.run_in_executor(None, _gpu_count, dask_worker, slot)
+    port = None
+    if dask_worker.address == store_worker:
+        port = _STORE_AHEAD.take(job_id, dask_worker.ip, store_timeout, slot)
+        if port is None:
+            port = await loop.run_in_executor(
+                None, _open_store, job_id, dask_worker, store_timeout, slot
+            )
+    active = slot.current()
+    return {
+        "gpu_count": gpus,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "busy": active.key if active is not None else None,
+        "store_port": port,
+    }
+
+
+class TemplatePlugin:
+    """Gets a worker ready for its ranks as it joins (registered by dask-ddp's scheduler
+    plugin through :class:`~dask_ddp._shared.protocol.NamedWorkerPlugin`): it finds its nanny's
+    template (:func:`dask_ddp._rank.template.find`) and forks a spare. A restart's replacement,
+    or a grown job's new worker, finds the template its nanny kept, its imports done; a
+    fresh cluster's first job waits for what is left of them, not for all. A worker hosting
+    lanes (:mod:`dask_ddp._rank.lanes`) runs its ranks in threads."""
+
+    def setup(self, worker: Any) -> None:
+        from . import rankproc as _rankproc
+
+        if slot_for(worker) is PROCESS:
+            _rankproc.get_ready(worker)
+
+    def teardown(self, worker: Any) -> None:
+        pass  # the spare ends with the worker (its pipe closes), the template with its own
+
+
+def drop_store(job_id: str, dask_worker: Any = None) -> bool:
+    """Close the job's store if no rank took it (the job failed or was cancelled first)."""
+    return slot_for(dask_worker).take_store(job_id) is not None
+
+
+def request_grow(job_id: str, dask_worker: Any = None) -> bool:
+    """Ask ``job_id``'s rank 0 (on this worker) to stop at its next checkpoint to grow."""
+    slot_for(dask_worker).request_grow(job_id)
+    return True
+
+
+def abort_rank(
+    job_id: str, reason: str, failed_rank: int | None = None, dask_worker: Any = None
+) -> bool:
+    """Ask this process's rank of ``job_id`` (an attempt's run id) to stop; return whether
+    one runs here.
+
+    A rank in its own process gets SIGTERM (its process group), then SIGKILL after
+    ``ddp.failure-grace`` (:meth:`dask_ddp._rank.rankproc.RankProcess.stop`); a rank waiting in
+    the rendezvous or at a checkpoint is released. A lane stops at its next safe point
+    (:meth:`~dask_ddp._rank.slot.RankRun.check_stop`).
+
+    When no rank of the job runs here, a rank of it that starts later ends at once, and
+    the store opened for it (on rank 0's worker) is closed: the worker is clean.
+    """
+    slot = slot_for(dask_worker)
+    active = slot.stop(job_id, reason, failed_rank)
+    if active is None:
+        slot.take_store(job_id)
+        return False
+    # In case its ranks wait at the rendezvous, in C++ (a SIGTERM does not end that wait).
+    # A rank in its own process: rank 0's worker holds the job's store and releases the
+    # waits through it (no connection to a store that may be gone, whose failed tries c10d
+    # logs for seconds); a lane connects to it.
+    if active.process is not None and active.store is not None:
+        target: tuple[Any, Any] = (_release_waiters_in, active.store)
+    elif active.process is None and active.master is not None:
+        target = (_release_waiters, active.master)
+    else:
+        target = (None, None)
+    if target[0] is not None:
+        threading.Thread(
+            target=target[0], args=(target[1],), name="dask-ddp-release", daemon=True
+        ).start()
+    logger.info("job %s: stopping rank %d: %s", job_id, active.rank, reason)
+    return True
+
+
+def rank_stacks(job_id: str, dask_worker: Any = None) -> tuple[int, str] | None:
+    """Run on a worker (``Client.run``): the rank of ``job_id`` (any attempt) running here,
+    and every thread's Python stack in its process, as :mod:`faulthandler` dumps them
+    (it works while the rank is blocked in C++); None if none runs here."""
+    active = slot_for(dask_worker).current()
+    if active is None or active.process is None:
+        return None
+    if active.job_id != job_id and not active.job_id.startswith(f"{job_id}-"):
+        return None
+    return active.rank, active.process.stacks()
+
+
+@contextlib.contextmanager
+def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> Iterator[RankRun]:
+    def queued(holder: RankRun) -> None:
+        # Another job's rank in this process (a worker with several threads): queue behind
+        # it, as Dask queues tasks on a single-threaded worker.
+        _status.send(
+            run,
+            _status.QUEUED,
+            f"waiting for job {holder.job_id} (rank {holder.rank}) to finish on this worker",
+        )
+
+    def check_stopped() -> None:
+        stopped = slot.stopped_before_start(spec.run_id)
+        if stopped is not None:  # the supervisor stopped the job while this task started
+            reason, failed_rank = stopped
+            raise RankStoppedError(
+                spec.placement.rank, reason, job=spec.run_id, failed_rank=failed_rank
+            )
+
+    check_stopped()
+    if not slot.claim(run, spec.rendezvous.rendezvous_timeout, on_wait=queued):
+        holder = slot.current()
+        raise WorkerBusyError(spec.placement.worker, holder.key if holder else "?")
+    check_stopped()
+    yield run
+
+
+def _torchrun_env(spec: RankSpec) -> dict[str, str]:
+    p = spec.placement
+    env = {
+        "MASTER_ADDR": spec.rendezvous.master_addr,
+        "MASTER_PORT": str(spec.rendezvous.master_port),
+        "RANK": str(p.rank),
+        "WORLD_SIZE": str(p.world_size),
+        "LOCAL_RANK": str(p.local_rank),
+        "LOCAL_WORLD_SIZE": str(p.local_world_size),
+        "GROUP_RANK": str(p.node_rank),
+        "NODE_RANK": str(p.node_rank),
+        # torchrun's elastic agent runs one worker group per host, in one role ("default"),
+        # so a rank's role rank and role world size are its global ones.
+        "GROUP_WORLD_SIZE": str(p.node_count),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(p.rank),
+        "ROLE_WORLD_SIZE": str(p.world_size),
+        "TORCHELASTIC_RESTART_COUNT": str(spec.attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        # As torchrun sets it (constant across restarts): torch.distributed's
+        # is_torchelastic_launched() is then true, and Lightning takes its TorchElastic
+        # environment, which reads the variables above.
+        "TORCHELASTIC_RUN_ID": spec.job_id,
+    }
+    if p.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = p.cuda_visible_devices
+    # "gloo", and "cpu:gloo,cuda:nccl" too
+    if "gloo" in spec.rendezvous.backend and "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = _process.interface_of(p.host)
+        if ifname is not None:
+            # gloo otherwise advertises the address the machine's hostname resolves to, often
+            # 127.0.x.1, which ranks on other hosts cannot reach. The Dask worker's own
+            # address is reachable by its peers: the scheduler and the other workers use it.
+            env["GLOO_SOCKET_IFNAME"] = ifname
+    if not spec.rendezvous.init_process_group:
+        # The script calls init_process_group("env://") itself; as under torchrun, every
+        # rank (rank 0 too) then connects to the store that already listens on MASTER_PORT.
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env
+
+
+@contextlib.contextmanager
+def _thread_share(spec: RankSpec) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = spec.threads_per_rank
+    if wanted is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        wanted = max(1, (cores or 1) // spec.placement.local_world_size)
+    if wanted:  # 0 leaves the worker's setting alone
+        torch.set_num_threads(wanted)
+        logger.debug("job %s rank %d: %d torch threads", spec.run_id, spec.placement.rank, wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _connect_store(
+    spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS, own_store: bool = True
+) -> Any:
+    """The job's store, for this rank: rank 0 takes the one its worker opened; the others
+    connect to it, within the rendezvous timeout.
+
+    The connection is tried in slices of :data:`_CONNECT_SLICE` seconds, with a safe point
+    (:meth:`~dask_ddp._rank.slot.RankRun.check_stop`) between them: a rank of a job stopped
+    while it connects (its store closed by the abort, or gone with rank 0's worker) stops
+    within a slice, instead of sitting in C++ until the rendezvous timeout and costing its
+    worker a restart.
+    """
+    import torch.distributed as dist
+
+    rdzv = spec.rendezvous
+    if spec.placement.rank == 0 and own_store:
+        return _take_store(spec, slot)
+    deadline = time.monotonic() + rdzv.rendezvous_timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store = dist.TCPStore(
+                rdzv.master_addr,
+                rdzv.master_port,
+                is_master=False,
+                timeout=timedelta(seconds=max(min(_CONNECT_SLICE, left), 0.1)),
+            )
+        except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
+            run.check_stop()
+            if time.monotonic() < deadline:
+                continue
+            raise RendezvousTimeoutError(
+                spec.placement.rank,
+                spec.placement.worker,
+                spec.key,
+                rdzv.rendezvous_timeout,
+                f"could not reach rank 0's store at {rdzv.master_addr}:{rdzv.master_port} ({exc})",
+            ) from exc
+        store.set_timeout(timedelta(seconds=rdzv.rendezvous_timeout))  # its waits' default
+        return store
+
+
+def _take_store(spec: RankSpec, slot: ProcessSlot) -> Any:
+    """The store the probe opened for rank 0 on this worker, taken from ``slot``."""
+    store = slot.take_store(spec.run_id)
+    if store is None:
+        raise RendezvousTimeoutError(
+            0,
+            spec.placement.worker,
+            spec.key,
+            0,
+            "the job's store is gone from this worker "
+            "(the worker restarted after launch, or the job was cancelled)",
+        )
+    return store
+
+
+_CONNECT_SLICE = 1.0  # seconds per try to reach rank 0's store (then a safe point)
+
+
+def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined") -> None:
+    """Wait until every rank has reached ``stage``, within the rendezvous timeout.
+
+    Stages: "joined" before ``init_process_group`` (every rank's task has started), and
+    "initialised" after it: no rank runs ``fn`` (which may fail at once and sever its
+    connections) while a peer's gloo is still connecting its mesh, which would fail that
+    peer with gloo's own "Connection closed by peer" instead of the real error.
+    """
+    world = spec.placement.world_size
+    count, ready = f"dask-ddp/{stage}", f"dask-ddp/{stage}-ready"
+    reached = store.add(count, 1)
+    if reached == world:
+        # Unless an abort released the waiters first: every rank reads the same word, so
+        # that all of them go on, or all stop.
+        store.compare_set(ready, "", "1")
+    elif stage == "joined":
+        _status.send(
+            run, _status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)"
+        )
+    try:
+        # One round trip: a get waits for the key (within the store's timeout, the
+        # rendezvous timeout) and reads the word.
+        word = store.get(ready)
+    except (RuntimeError, TimeoutError) as exc:  # DistStoreError subclasses RuntimeError
+        with contextlib.suppress(RuntimeError, TimeoutError):  # unless rank 0's store is gone
+            reached = store.add(count, 0)
+        raise RendezvousTimeoutError(
+            spec.placement.rank,
+            spec.placement.worker,
+            spec.key,
+            spec.rendezvous.rendezvous_timeout,
+            f"only {reached} of {world} ranks {stage}",
+        ) from exc
+    if word == _ABORTED:  # abort_rank released the waiters
+        run.check_stop()
+        raise RankStoppedError(spec.placement.rank, "stopped while ranks gathered", job=spec.run_id)
+
+
+_ABORTED = b"aborted"
+_STAGES = ("joined", "initialised")
+
+
+def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
+    """Wake every rank of a job that waits in :func:`_rendezvous` or for rank 0's word at a
+    checkpoint (:func:`dask_ddp._rank.resize.at_checkpoint`), marked as aborted.
+
+    A thread inside a C++ store wait (``get``) sees no stop until it returns; without
+    this a stopped job's ranks would wait out the rendezvous timeout and cost their
+    workers a restart.
+    """
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception:  # the store is gone: nobody waits on it
+        logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
+        return
+    _release_waiters_in(store)
+
+
+def _release_waiters_in(store: Any) -> None:
+    """:func:`_release_waiters` through ``store``, the job's store or a connection to it."""
+    try:
+        for stage in _STAGES:
+            store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
+        _resize.release_waiters(store, _ABORTED)  # or at a checkpoint of an elastic job
+    except Exception:  # the store is gone: nobody waits on it
+        logger.debug("could not release the rendezvous", exc_info=True)
+
+
+def _first_failure(
+    store: Any, rank: int, error: BaseException, *, peer_lost: bool = False
+) -> tuple[int, str] | None:
+    """Record this rank's failure; return the rank that failed first, and its error
+    (``"ValueError: bad batch"``), if it was another.
+
+    The first rank to fail stores its error's type and message before its rank, so that a
+    peer stopped by it reports the real cause, whichever rank's future a caller reads
+    first. A rank whose collective failed because a peer's connection closed, when no rank
+    has recorded a failure, did not fail first: a peer's process died (killed, out of
+    memory). It returns -1 (unknown) then, and the client names the lost worker.
+    """
+    summary = f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS]
+    try:
+        if peer_lost:
+            # A failing rank records its error before it severs its connections, so a peer's
+            # closed connection with no error recorded means its process died: no wait (a
+            # timed-out wait prints c10d's warning on every surviving rank).
+            if not store.check([_FIRST_FAILURE]):
+                return (-1, summary)
+        elif store.add(_FAILURES, 1) == 1:
+            store.set(_FIRST_ERROR, summary)
+            store.set(_FIRST_FAILURE, str(rank))
+            return None
+        store.wait([_FIRST_FAILURE], timedelta(seconds=2))
+        first = int(store.get(_FIRST_FAILURE))
+        cause = store.get(_FIRST_ERROR).decode("utf-8", "replace")
+    except (RuntimeError, TimeoutError, ValueError):
+        # Nobody recorded a failure (or rank 0's store is gone with its process).
+        return (-1, summary) if peer_lost else None
+    return None if first == rank else (first, cause)
+
+
+def _recorded_failure(store: Any, rank: int | None) -> str | None:
+    """The error ``rank`` recorded as the job's first failure (``"ValueError: ..."``), if it
+    did; never waits."""
+    if rank is None:
+        return None
+    try:
+        if not store.check([_FIRST_FAILURE]) or int(store.get(_FIRST_FAILURE)) != rank:
+            return None
+        return store.get(_FIRST_ERROR).decode("utf-8", "replace")
+    except (RuntimeError, TimeoutError, ValueError):  # rank 0's store is gone
+        return None
+
+
+def run_rank(payload: bytes, spec: RankSpec) -> Any:
+    """The rank task: start the rank's own process, relay what it sends, return its value.
+
+    ``payload`` is ``(fn, args, kwargs)`` as the launching client pickled it; it is
+    unpickled in the rank's process and nowhere else (the scheduler only holds the bytes,
+    and the worker never runs the user's code). Re-raises the function's own exception on
+    the rank that failed first; a rank that fails because another one did raises
+    :class:`~dask_ddp.errors.RankStoppedError`. In a process hosting lanes (simulated
+    ranks, :mod:`dask_ddp._rank.lanes`) the rank runs in the task's thread instead.
+    """
+    from distributed import get_worker
+
+    p = spec.placement
+    worker = get_worker()
+    # The channel opens first: the rank's phases (queued, joining) travel on it too.
+    channel = events.RankChannel(
+        worker,
+        spec.run_id,
+        p.rank,
+        interval=spec.events.flush_interval,
+        max_event_bytes=spec.events.max_event_bytes,
+        topic=spec.events.topic,
+    )
+    run = RankRun(
+        spec.run_id,
+        spec.key,
+        p.rank,
+        channel=channel,
+        master=(spec.rendezvous.master_addr, spec.rendezvous.master_port),
+    )
+    slot = slot_for(worker)
+    value, error, outcome = None, None, None
+    try:
+        with _claim_slot(spec, run, slot):
+            if slot is PROCESS:
+                value, error, outcome = _run_process(payload, spec, run, worker, slot)
+            else:
+                fn, args, kwargs = cloudpickle.loads(payload)
+                if spec.pass_local_rank:
+                    kwargs = {**kwargs, "local_rank": p.local_rank}
+                peer = _replicas.PeerLink(worker, spec.job_id)
+
+                def memory() -> tuple[int, int]:
+                    return _replicas.process_memory(), _replicas.memory_limit(worker)
+
+                value = _run_in_slot(fn, args, kwargs, spec, run, peer, memory, slot)
+    except StopRequested as exc:  # at a safe point before fn (or between its stages)
+        error = exc.stopped()
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        # Sends what fn reported, the final count and how the rank ended before the task
+        # finishes, so the supervisor and the clients have every record when they see the
+        # result. Never raises: on success its error is raised below, after a failure the
+        # rank's own error wins.
+        undelivered = channel.close(outcome or outcome_of(value, error))
+        leftover, run.leftover = run.leftover, None
+        slot.release(run, leftover)
+        if p.rank == 0 and slot is PROCESS:  # its job's store was taken: the next one's
+            _STORE_AHEAD.open_later(worker)
+    if error is not None:  # raised here, out of the handler
+        raise error
+    if undelivered is not None:
+        raise undelivered
+    return value
+
+
+def _run_process(
+    payload: bytes, spec: RankSpec, run: RankRun, worker: Any, slot: ProcessSlot
+) -> tuple[Any, BaseException | None, RankOutcome]:
+    """Run the rank in a process of its own (:mod:`dask_ddp._rank.rankproc`), serving what it
+    asks of this worker; rank 0's store stays here, in the worker, until the rank ends."""
+    from . import rankproc as _rankproc
+
+    store = _take_store(spec, slot) if spec.placement.rank == 0 else None
+    run.store = store
+    # Rank 0's store outlives its task by a moment (its peers may still read the last
+    # rendezvous word): let go with the run's leftovers.
+    run.leftover = store
+    peer = _replicas.PeerLink(worker, spec.job_id)
+
+    def on_start(process: _rankproc.RankProcess) -> None:
+        with slot.lock:
+            run.process = process
+            reason, failed_rank = run.stop_reason, run.stop_failed_rank
+        if reason is not None:  # stopped while it started
+            process.stop(reason, failed_rank)
+
+    handlers = {
+        "grow": lambda: slot.take_grow_request(spec.run_id),
+        "memory": lambda: (_replicas.process_memory(), _replicas.memory_limit(worker)),
+        "replica_put": lambda holder, writer, world, step, fraction, data: peer.put(
+            holder, writer, world, step, data, fraction
+        ),
+        "replica_fetch": lambda *args: _rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
+        "dataset_load": _load_dataset_window,
+        "log_event": worker.log_event,
+        "hold_blob": events.hold_blob,
+    }
+    body = _rankproc.RankBody(run_in_process, outcome_of, end_process_group)
+    return _rankproc.run(
+        payload, spec, worker, body, channel=run.channel, handlers=handlers, on_start=on_start,
+        grace=spec.failure_grace,
+    )  # fmt: skip
+
+
+def _as_bytes(data: Any) -> Any:
+    """A fetched replica (bytes, or a uint8 tensor) as a buffer to send; empty if missing."""
+    if data is None:
+        return b""
+    if hasattr(data, "numpy"):
+        return data.numpy()
+    return data
+
+
+def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> Any:
+    """A window of a Dask collection's partitions, read in the worker for its rank's
+    process, and the counts the read made; its arrays travel out of band (no copy into
+    a pickle)."""
+    from ..data import _collection_shard
+    from . import rankproc as _rankproc
+
+    counts: dict[str, float] = {}
+
+    def count(name: str, n: float) -> None:
+        counts[name] = counts.get(name, 0) + n
+
+    data, _ = _collection_shard._Fetcher(plan, count).load(pieces, fmt)
+    return _rankproc.OutOfBand((data, counts))
+
+
+def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
+    """The rank, in its own process (:func:`dask_ddp._rank.rankproc._rank_main`): the torchrun
+    environment and thread share set before anything starts, then :func:`_run_in_slot`.
+    The rank's channel goes on from where its task's stopped (``turn``); its events go
+    through ``link`` to the worker's ``log_event``."""
+    from distributed import get_worker
+
+    os.environ.update(_torchrun_env(spec))
+    _malloc.tune(spec.tune_malloc)
+    channel = link.channel = events.RankChannel(
+        get_worker(),  # the worker's stand-in: its address names where large messages wait
+        spec.run_id,
+        spec.placement.rank,
+        interval=spec.events.flush_interval,
+        max_event_bytes=spec.events.max_event_bytes,
+        topic=spec.events.topic,
+        relay=link,
+        turn=turn,
+        start=link.thread,
+    )
+    run = RankRun(
+        spec.run_id,
+        spec.key,
+        spec.placement.rank,
+        channel=channel,
+        master=(spec.rendezvous.master_addr, spec.rendezvous.master_port),
+    )
+    run.relay = link
+
+    def told(reason: str, failed_rank: int | None) -> None:
+        with PROCESS.lock:
+            if run.stop_reason is None:
+                run.stop_reason, run.stop_failed_rank = reason, failed_rank
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # The task tells why before it signals; a SIGTERM from elsewhere stops it too.
+        link.stop_told.wait(1.0)
+        told(f"the rank's process received signal {signum} (SIGTERM)", None)
+        run.check_stop()
+
+    link.on_stop = told
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if link.stop is not None:
+        told(*link.stop)
+    PROCESS.claim(run, 0)
+    from ..data import _collection_shard
+
+    _collection_shard.load_through_worker(functools.partial(link.call, "dataset_load"))
+    try:
+        run.check_stop()
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if spec.pass_local_rank:
+            kwargs = {**kwargs, "local_rank": spec.placement.local_rank}
+        peer = _RelayedPeer(link)
+        with _thread_share(spec), _process.platform_start_method():
+            value = _run_in_slot(
+                fn, args, kwargs, spec, run, peer, lambda: link.call("memory"), PROCESS,
+                own_store=False,
+            )  # fmt: skip
+        _cuda_finished()  # the rank's kernels ran before it says it ended
+        return value
+    except StopRequested as exc:
+        raise exc.stopped() from None
+
+
+class _RelayedPeer:
+    """:class:`~dask_ddp._rank.replicas.PeerLink` for a rank in its own process: the calls go to
+    its worker, which holds the connections (and this process's replica store)."""
+
+    def __init__(self, link: Any) -> None:
+        self._link = link
+
+    def put(
+        self, holder: str, writer: int, world_size: int | None, step: int, data: Any,
+        fraction: float,
+    ) -> str | None:  # fmt: skip
+        return self._link.call("replica_put", holder, writer, world_size, step, fraction, data=data)
+
+    def fetch(self, *args: Any) -> Any:
+        buffer = self._link.call("replica_fetch", *args)
+        return buffer if len(buffer) else None
+
+
+def _cuda_finished() -> None:
+    """Wait for the rank's CUDA work, if it started CUDA."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def end_process_group() -> None:
+    """A rank's process that said how it ended destroys its group (nccl's communicators
+    flushed, gloo's pairs closed: 20 ms) before it exits, as torchrun's workers end; its
+    task has returned meanwhile. After a failure the process just exits."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_in_slot(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    spec: RankSpec,
+    run: RankRun,
+    peer: Any,
+    memory: Callable[[], tuple[int, int]],
+    slot: ProcessSlot,
+    own_store: bool = True,
+) -> Any:
+    """Join the process group and run ``fn`` in ``run``, which holds ``slot``; ``peer``
+    reaches the replica stores, ``memory()`` is the worker's memory and its limit.
+    ``own_store``: rank 0 takes the store its process opened (a lane) rather than connect
+    to it (a rank in its own process: the store stays in the worker)."""
+    import torch.distributed as dist
+
+    p = spec.placement
+    # kept until the task ends, for slow peers
+    store = run.store = _connect_store(spec, run, slot, own_store)
+    _rendezvous(store, spec, run)
+    device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
+    if spec.rendezvous.init_process_group:
+        # No safe point between the rendezvous and the group: once all ranks joined, all
+        # make it, even if a stop came meanwhile (they stop at the next rendezvous). A rank
+        # that stopped here would leave a peer already inside init_process_group waiting
+        # in C++ for it until the group's timeout, and cost that worker a restart.
+        dist.init_process_group(
+            spec.rendezvous.backend,
+            store=dist.PrefixStore(f"dask-ddp/{spec.attempt}", store),
+            rank=p.rank,
+            world_size=p.world_size,
+            timeout=timedelta(seconds=spec.rendezvous.timeout),
+        )
+        _rendezvous(store, spec, run, "initialised")
+    run.check_stop()
+    _status.send(run, _status.RUNNING)
+    ctx = RankContext(
+        rank=p.rank,
+        local_rank=p.local_rank,
+        world_size=p.world_size,
+        local_world_size=p.local_world_size,
+        node_rank=p.node_rank,
+        device=device,
+        backend=spec.rendezvous.backend,
+        attempt=spec.attempt,
+        job_id=spec.run_id,
+        worker=p.worker,
+        master_addr=spec.rendezvous.master_addr,
+        master_port=spec.rendezvous.master_port,
+    )
+    logger.debug("job %s: rank %d joined on %s", spec.run_id, p.rank, p.worker)
+    checkpointing = CheckpointSettings.of(
+        spec.checkpoint, spec.job_id, spec.rendezvous.timeout if spec.can_grow else None
+    )
+    saver, resumer = _checkpointing(checkpointing, ctx, run, peer, memory)
+    try:
+        with (
+            _activated(run, ctx, checkpointing, spec.datasets, saver, resumer),
+            # A lane shares its process's streams with the other lanes: nothing to forward.
+            _output.forwarded(run.channel) if slot is PROCESS else contextlib.nullcontext(),
+        ):
+            return fn(*args, **kwargs)
+    except BaseException as exc:
+        if run.stop_reason is not None:  # its stop, or a collective with a peer gone
+            if isinstance(exc, RankStoppedError):
+                raise
+            # Stopped because a rank failed: that rank's own error, as it recorded it.
+            reason = _recorded_failure(store, run.stop_failed_rank) or run.stop_reason
+            stopped = RankStoppedError(
+                p.rank, reason, job=spec.run_id, failed_rank=run.stop_failed_rank
+            )
+            if isinstance(exc, StopRequested):
+                raise stopped from None
+            raise stopped from exc
+        first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
+        if isinstance(exc, _resize.GrowAtCheckpoint):
+            # Every rank stops here (rank 0 recorded it first, for a rank that skipped the
+            # checkpoint call: its next collective fails once the others' processes end).
+            return Resized(exc.step)
+        if first is not None:
+            raise RankStoppedError(p.rank, first[1], failed_rank=first[0]) from exc
+        raise
+
+
+def _checkpointing(
+    settings: CheckpointSettings,
+    ctx: RankContext,
+    run: RankRun,
+    peer: Any,
+    memory: Callable[[], tuple[int, int]],
+) -> tuple[_saving.Saver | None, _resume.Resumer | None]:
+    """What saves and loads the rank's checkpoints (None without ``checkpoint_dir``)."""
+    if settings.directory is None:
+        return None, None
+    channel = run.channel
+
+    def announce(kind: str, body: list[Any]) -> None:
+        if channel is not None:
+            channel.put(kind, body, "save_checkpoint", urgent=True)
+
+    saver = _saving.Saver(
+        settings,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        announce=announce,
+        peer=peer,
+        memory=memory,
+        status=lambda text: _status.send(run, None, text),
+    )
+    resumer = _resume.Resumer(
+        settings,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        peer=peer,
+        announce=announce,
+    )
+    return saver, resumer

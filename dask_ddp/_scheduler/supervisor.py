@@ -1,0 +1,826 @@
+"""A job's supervisor on the scheduler: the facts of its life in, the actions carried out.
+
+:class:`Supervisor` runs one job from its launch to its end, whether or not the client that
+launched it is still there. It lives in dask-ddp's scheduler plugin
+(:mod:`dask_ddp._scheduler.plugin`), which hands it what the scheduler sees: a rank task's end, a
+worker that left or joined, a rank's events, a client that came or went, a cancel. Each
+becomes a typed fact of :mod:`dask_ddp._scheduler.lifecycle`, whose one function,
+:func:`~dask_ddp._scheduler.lifecycle.step`, decides what it means; the supervisor only carries out
+the actions it returns and feeds what comes of them back in, one fact at a time::
+
+    hooks, timers, finished actions --facts--> step() --actions--> pool, launcher, clients
+         ^                                                              |
+         +--------------------------------------------------------------+
+
+It decides nothing itself. Every transition is one INFO line in the scheduler's log, one
+:class:`~dask_ddp.Transition` in the job's history, and one message on the job's event
+topic, which every client following the job reads (:mod:`dask_ddp._client.reader`). An action that
+fails (placing, stopping ranks, restarting a worker) comes back as a fact, and the job's
+life acts on it.
+
+Nothing here blocks the event loop: placing is arithmetic on the scheduler's own worker
+table (:mod:`dask_ddp._scheduler.pool`), everything else awaits the plugin's client
+(:mod:`dask_ddp._scheduler.launcher`). The function the ranks run is bytes here, never unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, Protocol
+
+from .. import errors
+from .._shared import tracebacks as _traceback
+from .._shared.placement import WorkerInfo, order_workers
+from .._shared.progress import Progress, view_state
+from .._shared.protocol import RankOutcome, Told, job_topic
+from .._shared.values import CheckpointInfo, JobSpec, JobState, Transition
+from ..errors import DaskDDPError, WireVersionError
+from . import lifecycle as lc
+from .launcher import Attempt, Launcher
+from .ledger import CheckpointLedger, describe_sources, writer_rank
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINTS_KEPT = 1000  # checkpoints a job remembers (Job.checkpoints of a later client)
+_NOTES_KEPT = 20
+
+
+class Host(Protocol):
+    """What a supervisor needs of the scheduler plugin that holds it
+    (:class:`dask_ddp._scheduler.plugin.DaskDDPPlugin`)."""
+
+    scheduler: Any  # distributed.Scheduler
+    client: Any  # the plugin's own asynchronous distributed.Client
+    pool: Any  # its dask_ddp._scheduler.pool.WorkerPool
+    gpus: dict[str, Any]  # worker -> (GPU count, CUDA_VISIBLE_DEVICES), probed once
+    changes: Any  # its dask_ddp._scheduler.page.Changes: the pages wait on it
+
+    def watch_keys(self, job: Supervisor, keys: list[Any]) -> None: ...
+
+    def unwatch_keys(self, keys: list[Any]) -> None: ...
+
+    def job_ended(self, job: Supervisor) -> None: ...
+
+
+def first_line(error: BaseException) -> str:
+    """An error in one line: its summary, else the first line of its text."""
+    return str(getattr(error, "summary", None) or error).split("\n", 1)[0]
+
+
+def _failed(action: lc.Action, exc: Exception) -> lc.ActionFailed | None:
+    """The fact that ``action``, carried out at once, raised ``exc`` (None for actions
+    whose failure changes nothing of the job's life: a timer, a note)."""
+    why = f"{type(exc).__name__}: {exc}"
+    if isinstance(action, lc.Release):
+        return lc.ActionFailed(lc.ActionKind.RELEASE, workers=action.workers, error=exc, why=why)
+    if isinstance(action, lc.Publish):
+        return lc.ActionFailed(lc.ActionKind.PUBLISH, action.attempt, error=exc, why=why)
+    if isinstance(action, lc.FailTask):
+        return lc.ActionFailed(lc.ActionKind.FAIL_TASK, action.attempt, error=exc, why=why)
+    if isinstance(action, lc.Submit):
+        return lc.ActionFailed(lc.ActionKind.PLACE, action.attempt, error=exc, why=why)
+    return None
+
+
+class Supervisor:
+    """One job, attempt after attempt, on the scheduler's loop.
+
+    Parameters
+    ----------
+    plugin : Host
+        The scheduler plugin: its scheduler, its own client, the worker pool.
+    spec : JobSpec
+        The job as its client sent it.
+    size : (int, int)
+        How many workers it runs on, at least and at most, checked against the cluster at
+        launch (the job's :class:`~dask_ddp._scheduler.lifecycle.Policy` keeps them).
+    datasets : optional
+        The job's Dask collections, planned again for each attempt.
+    """
+
+    def __init__(
+        self, plugin: Host, spec: JobSpec, size: tuple[int, int], datasets: Any = None
+    ) -> None:
+        self.plugin, self.spec = plugin, spec
+        self.job_id = spec.job_id
+        self.topic = job_topic(spec.job_id)
+        self.settings = settings = spec.settings
+        self.policy = lc.Policy(
+            min_workers=size[0],
+            max_workers=size[1],
+            job=spec.job_id,
+            max_restarts=spec.max_restarts,
+            max_resizes=settings.max_resizes,
+            failure_grace=settings.failure_grace,
+            drain=settings.event_drain_timeout,
+            scale_timeout=settings.scale_timeout,
+            orphan_timeout=settings.orphan_timeout,
+            stall_action=lc.StallAction(settings.stall_action),
+        )
+        self.life = lc.Life.new(self.policy)
+        self.history: list[Transition] = []
+        self.attempt: Attempt | None = None
+        self._prepared: Attempt | None = None  # probed and planned, not submitted yet
+        self.error: BaseException | None = None
+        self.wait_reason: str | None = None
+        self.notes: list[str] = []
+        self.progress = Progress()
+        self.checkpoints: list[CheckpointInfo] = []  # what Job.checkpoints of a later client shows
+        self.ledger = CheckpointLedger()  # durable checkpoints and replicas: restarts' source
+        self.followers: set[str] = set() if spec.detach or not spec.client else {spec.client}
+        self.started = time.time()
+        self.finished: float | None = None
+        self.stopped = asyncio.Event()  # ranks stopped, workers given back: the very end
+        self.placed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.launcher = Launcher(plugin.client, plugin.scheduler, spec, plugin.gpus, datasets)
+        self._datasets = datasets
+        self._facts: collections.deque[Any] = collections.deque()
+        self._stepping = False
+        self._timers: dict[lc.Timer, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._since = self.started  # when the job last stopped training
+        self._restored: tuple[str | None, int | None] = (None, None)
+        self._version = 0  # of the last message to the clients (they ignore older ones)
+        # Stalls: when a rank of the current attempt last sent anything, and the ranks'
+        # stacks at the last sample taken while none did.
+        self._progress_at = time.monotonic()
+        self._stacks: dict[int, str] | None = None
+        self._watch: asyncio.TimerHandle | None = None
+        self._soon: asyncio.TimerHandle | None = None  # a message due (_publish_soon)
+        # The attempt whose futures are being published: no client hears the job's outcome
+        # before it can read them (_publish holds that message until then).
+        self._publishing: int | None = None
+
+    @property
+    def state(self) -> JobState:
+        """The job's state, as it was last published."""
+        return self.life.state
+
+    # -- facts: what the plugin tells it (hooks on the scheduler's loop: never block) ---------
+    def start(self) -> None:
+        """Start the job's life; :attr:`placed` resolves once it runs or waits."""
+        self.feed(lc.Start())
+        if self.settings.stall_timeout is not None:
+            self._watch_stalls()
+
+    def feed(self, fact: lc.Fact) -> None:
+        """Take one fact: its step, then its actions, before the next fact is taken (a fact
+        an action brings about waits its turn)."""
+        self._facts.append(fact)
+        if self._stepping:
+            return
+        self._stepping = True
+        try:
+            while self._facts:
+                fact = self._facts.popleft()
+                self.life, actions = lc.step(self.life, fact, self.policy, time.time())
+                for action in actions:
+                    try:
+                        self._act(action)
+                    except Exception as exc:  # a fact: step decides what follows
+                        logger.exception("dask-ddp job %s: %s failed", self.job_id, action)
+                        failed = _failed(action, exc)
+                        if failed is not None:
+                            self._facts.append(failed)
+        finally:
+            self._stepping = False
+
+    def on_event(self, msg: dict[str, Any]) -> None:
+        """An event of the job's topic: what a rank told in the clear, or its final marker."""
+        a, rank = self.attempt, msg.get("rank")
+        if a is None or msg.get("run") != a.run_id or not isinstance(rank, int):
+            return  # the supervisor's own messages, or a rank of an attempt before this one
+        if not 0 <= rank < len(a.workers):
+            return
+        self._progress_at, self._stacks = time.monotonic(), None
+        self.plugin.changes.bump()  # the pages show the ranks' progress as it comes
+        if self.life.stalled:
+            self.feed(lc.Progressed(a.number))
+        if msg.get("told"):
+            try:
+                told = Told.from_wire(msg["told"])
+            except (KeyError, TypeError, ValueError) as exc:
+                self._note(f"rank {rank}: an event could not be read ({exc})")
+            else:
+                self._told(a, rank, told)
+        if "end" in msg:
+            try:
+                outcome = RankOutcome.from_wire(msg["outcome"])
+            except (WireVersionError, KeyError, TypeError, ValueError) as exc:
+                self._note(f"rank {rank}: its final marker could not be read ({exc})")
+                return
+            self.progress.end(rank, outcome.describe())
+            self.feed(lc.RankEnded(a.number, rank, outcome))
+            self._publish_soon()  # every client's view says how the rank ended, as decided here
+
+    def _told(self, a: Attempt, rank: int, told: Told) -> None:
+        if told.last is not None:
+            last = told.last
+            self.progress.add(
+                rank, last.step, last.time, last.values, told.records, told.points or None,
+                list(told.first) if told.first else None,
+            )  # fmt: skip
+            if not a.reported:
+                a.reported = True
+                self._first_step()
+        if told.status is not None:
+            self.progress.set_status(rank, *told.status)
+            if told.status.phase is not None:
+                self.feed(lc.RankStarted(a.number, rank))
+        for c in told.checkpoints:
+            self.checkpoints.append(
+                CheckpointInfo(c.url, c.step, c.nbytes, rank, c.time, c.stall, c.world_size)
+            )
+            del self.checkpoints[:-_CHECKPOINTS_KEPT]
+            self.ledger.landed(rank, c.url, c.step, c.world_size)
+        for r in told.replicas:
+            self._replicated(rank, r.step, r.holder, r.world_size)
+        if told.loaded is not None:
+            self._loaded(a, rank, list(told.loaded))
+
+    def on_task(self, rank: int, finish: str, info: dict[str, Any]) -> None:
+        """Rank ``rank``'s task of the current attempt reached ``finish`` (memory, erred)."""
+        a = self.attempt
+        if a is None:
+            return
+        erred = finish == "erred"
+        summary = str(info.get("exception_text") or "") if erred else ""
+        self.feed(lc.TaskEnded(a.number, rank, erred, summary))
+
+    def on_worker_removed(self, address: str) -> None:
+        """A worker left the cluster."""
+        self.feed(lc.WorkerLost(address))
+
+    def workers_changed(self) -> None:
+        """Workers joined, left or were given back (a waiting job looks again; an elastic
+        one may grow)."""
+        self.feed(lc.ClusterChanged(self._usable()))
+
+    def follow(self, client: str) -> None:
+        """A client attached: the job is followed again."""
+        self.followers.add(client)
+        self.feed(lc.ClientAttached())
+
+    def unfollow(self, client: str) -> None:
+        """A client left; with nobody left to follow it, the job is cancelled after
+        ``ddp.orphan-timeout`` unless a client attaches (or it was launched detached)."""
+        if client not in self.followers:
+            return
+        self.followers.discard(client)
+        if not self.followers and not self.spec.detach:
+            self.feed(lc.ClientLeft())
+
+    def cancel(self, reason: str) -> None:
+        """Ask the job to stop (it ends cancelled); :attr:`stopped` is set once it has."""
+        self.feed(lc.CancelAsked(reason))
+
+    # -- actions ------------------------------------------------------------------------------
+    def _act(self, action: lc.Action) -> None:
+        pool = self.plugin.pool
+        if isinstance(action, lc.Ask):
+            self._ask(action)
+        elif isinstance(action, lc.Withdraw):
+            pool.withdraw(self.job_id)
+        elif isinstance(action, lc.Place):
+            self._spawn(self._place(action), lc.ActionKind.PLACE, action.attempt)
+        elif isinstance(action, lc.Submit):
+            self._submit(action)
+        elif isinstance(action, lc.Discard):
+            self._discard(action)
+        elif isinstance(action, lc.Abort):
+            self._spawn(self._abort(action), lc.ActionKind.ABORT, action.attempt)
+        elif isinstance(action, lc.RestartWorkers):
+            logger.warning(
+                "dask-ddp job %s: ranks on %s did not stop within %.0f s (ddp.failure-grace: "
+                "blocked in C++, or never at a safe point); restarting those workers",
+                self.job_id, sorted(action.workers), self.settings.failure_grace,
+            )  # fmt: skip
+            self._spawn(self._restart(action), lc.ActionKind.RESTART, action.attempt)
+        elif isinstance(action, lc.FailTask):
+            self._fail_task(action)
+        elif isinstance(action, lc.Release):
+            pool.release(self.job_id, action.workers)
+        elif isinstance(action, lc.Quarantine):
+            pool.quarantine(self.job_id, action.workers)
+            self._note(
+                f"workers {sorted(action.workers)} are kept out of dask-ddp jobs: a rank there "
+                "did not stop and the worker could not be restarted"
+            )
+        elif isinstance(action, lc.TakeMore):
+            self._take_more(action)
+        elif isinstance(action, lc.RequestGrow):
+            a = self.attempt
+            if a is not None and a.number == action.attempt:
+                self._spawn(self.launcher.request_grow(a), lc.ActionKind.GROW, a.number)
+        elif isinstance(action, lc.Demand):
+            pool.demand(self.job_id, action.missing)
+        elif isinstance(action, lc.Arm):
+            self._arm(action)
+        elif isinstance(action, lc.Disarm):
+            handle = self._timers.pop(action.timer, None)
+            if handle is not None:
+                handle.cancel()
+        elif isinstance(action, lc.Publish):
+            self._transition(action)
+        elif isinstance(action, lc.Waiting):
+            self._waiting(action)
+        elif isinstance(action, lc.Note):
+            self._note(action.text)
+        elif isinstance(action, lc.Finish):
+            self._spawn(self._finish(action), None, 0)
+
+    def _spawn(self, work: Any, kind: lc.ActionKind | None, attempt: int) -> None:
+        """Run ``work`` on the loop; if it raises, that is a fact (``ActionFailed``)."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception as exc:
+                if kind is None:
+                    logger.exception("dask-ddp job %s: its end failed", self.job_id)
+                    return
+                why = f"{type(exc).__name__}: {exc}"
+                logger.warning("dask-ddp job %s: %s failed: %s", self.job_id, kind.value, why)
+                self.feed(lc.ActionFailed(kind, attempt, error=exc, why=why))
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- stalls ----------------------------------------------------------------------------
+    def _watch_stalls(self) -> None:
+        """Every quarter of ``ddp.stall-timeout``: once no rank sent anything for half of
+        it, sample the ranks' stacks; a stall is no progress for the whole timeout and the
+        same stacks in two samples (a fact for ``step``, which says and acts)."""
+        timeout = self.settings.stall_timeout
+        assert timeout is not None
+        if self.life.phase is lc.Phase.ENDED:
+            return
+        loop = asyncio.get_running_loop()
+        self._watch = loop.call_later(max(0.5, timeout / 4), self._watch_stalls)
+        a = self.attempt
+        idle = time.monotonic() - self._progress_at
+        if a is None or self.life.phase is not lc.Phase.RUNNING or self.life.stalled:
+            return
+        if idle >= timeout / 2:
+            self._spawn(self._sample(a, idle, timeout), None, a.number)
+
+    async def _sample(self, a: Attempt, idle: float, timeout: float) -> None:
+        from .._shared.protocol import Entry, call
+
+        try:
+            answers = await self.plugin.client.run(
+                call, Entry.RANK_STACKS, self.job_id, workers=list(a.workers), on_error="return"
+            )
+        except Exception as exc:  # a worker left meanwhile: no stall is decided on this one
+            logger.info("dask-ddp job %s: could not sample its stacks: %s", self.job_id, exc)
+            return
+        stacks = {r: text for r, text in (v for v in answers.values() if isinstance(v, tuple))}
+        if a is not self.attempt or time.monotonic() - self._progress_at < idle:
+            return  # progress meanwhile
+        seen, self._stacks = self._stacks, stacks
+        if idle < timeout or seen != stacks or len(stacks) < len(a.workers):
+            return
+        causes, where, waiting = [], [], []
+        for rank, text in sorted(stacks.items()):
+            in_collective, at = _traceback.stuck_at(text)
+            if in_collective:
+                waiting.append(rank)
+            else:
+                causes.append(rank)
+                where.append(at)
+        self.feed(lc.Stalled(a.number, idle, tuple(causes), tuple(where), tuple(waiting)))
+
+    def _ask(self, action: lc.Ask) -> None:
+        pool, number = self.plugin.pool, action.attempt
+        got = pool.take(self.job_id, self._candidates(number), want=action.want, need=action.need)
+        if got is not None:
+            self.feed(lc.Granted(tuple(got)))
+            return
+        named = number == 0 and isinstance(self.spec.workers, list)
+        pool.ask(
+            self.job_id,
+            lambda: self._candidates(number),
+            want=action.want,
+            need=action.need,
+            on_grant=lambda workers: self.feed(lc.Granted(tuple(workers))),
+            demand=not named,
+        )
+        self.feed(lc.Short(self._usable()))
+
+    def _usable(self) -> int:
+        """The cluster's workers, less those kept out of every job."""
+        return len(self.plugin.scheduler.workers) - len(self.plugin.pool.quarantined())
+
+    def _take_more(self, action: lc.TakeMore) -> None:
+        pool = self.plugin.pool
+        if not pool.free():
+            return
+        held = len(pool.held(self.job_id))
+        number = self.life.attempt + 1
+        got = pool.take(self.job_id, self._candidates(number), want=action.want, need=action.need)
+        if got is None:
+            return
+        logger.info(
+            "dask-ddp job %s: %d more workers free; the job grows to %d ranks at its next "
+            "checkpoint", self.job_id, len(got) - held, len(got),
+        )  # fmt: skip
+        self.feed(lc.Grew(tuple(got)))
+
+    async def _place(self, action: lc.Place) -> None:
+        """Probe, open the store, plan, submit: the attempt is placed (a fact), then its
+        futures are published for every client."""
+        workers = list(action.workers)
+        try:
+            attempt = await self.launcher.prepare(
+                action.attempt, workers, can_grow=len(workers) < self.policy.max_workers
+            )
+        except Exception as exc:
+            # What it saw: the workers that left meanwhile (step places the attempt again
+            # without them), and the error (step fails the job with it: a backend without
+            # GPUs, a dataset partition lost for good, or a bug, logged with its traceback).
+            gone = frozenset(w for w in workers if w not in self.plugin.scheduler.workers)
+            if not gone and not isinstance(exc, DaskDDPError):
+                logger.exception("dask-ddp job %s: placing it failed", self.job_id)
+            why = (
+                first_line(exc) if isinstance(exc, DaskDDPError) else f"{type(exc).__name__}: {exc}"
+            )
+            self.feed(lc.ActionFailed(lc.ActionKind.PLACE, action.attempt, gone, exc, why))
+            return
+        last = self.attempt
+        if last is not None:  # the attempt before: its futures go, its replicas are counted
+            await self.launcher.unpublish(last)
+            self.plugin.unwatch_keys(last.keys)
+            await self._find_replicas(last)
+        self._prepared = attempt
+        self.feed(lc.Prepared(attempt.number))
+
+    def _submit(self, action: lc.Submit) -> None:
+        """Submit the prepared attempt: it is placed (a fact, taken before any other), then
+        its futures are published for every client."""
+        attempt, self._prepared = self._prepared, None
+        if attempt is None or attempt.number != action.attempt:
+            return
+        self._restored = self._restore(attempt)
+        self.attempt = attempt
+        self.plugin.watch_keys(self, attempt.keys)
+        self.progress.place(attempt.workers)
+        self.launcher.submit(attempt)
+        # Clients hear of the placement before any of its ranks can say a word ...
+        self._progress_at, self._stacks = time.monotonic(), None
+        known = self.plugin.scheduler.workers
+        hosts = len({known[w].host for w in attempt.workers if w in known})
+        self.feed(lc.Placed(attempt.number, tuple(attempt.workers), tuple(attempt.keys), hosts))
+        # ... then of its futures, once any client can read them.
+        self._publishing = attempt.number
+        self._spawn(self._publish_attempt(attempt), lc.ActionKind.PUBLISH, attempt.number)
+
+    async def _publish_attempt(self, attempt: Attempt) -> None:
+        try:
+            await self.launcher.publish(attempt)
+        finally:
+            if self._publishing == attempt.number:
+                self._publishing = None
+            self._publish()  # with the futures' name; and an outcome held meanwhile
+
+    def _discard(self, action: lc.Discard) -> None:
+        """A prepared attempt that never runs: its store closes; nothing else was made."""
+        attempt, self._prepared = self._prepared, None
+        if attempt is not None and attempt.number == action.attempt:
+            self._cleanup(
+                self.launcher.drop_store(attempt.run_id, attempt.store_worker),
+                f"close attempt {attempt.number}'s store",
+            )
+
+    async def _abort(self, action: lc.Abort) -> None:
+        a = self.attempt
+        if a is None or a.number != action.attempt:
+            return
+        idle = await self.launcher.abort(a, action.ranks, action.reason, action.cause)
+        self.feed(lc.AbortAnswered(action.attempt, frozenset(idle)))
+
+    async def _restart(self, action: lc.RestartWorkers) -> None:
+        done, failed = await self.launcher.restart(
+            sorted(action.workers),
+            self.plugin.pool,
+            timeout=self.settings.rendezvous_timeout,
+        )
+        if done:
+            self.feed(lc.WorkersRestarted(frozenset(done)))
+        if failed:
+            why = f"could not restart {sorted(failed)}"
+            self.feed(
+                lc.ActionFailed(lc.ActionKind.RESTART, action.attempt, frozenset(failed), why=why)
+            )
+
+    def _fail_task(self, action: lc.FailTask) -> None:
+        a = self.attempt
+        if a is None or a.number != action.attempt:
+            return
+        if action.status is not None:
+            self.progress.end(action.rank, action.status)
+        self.launcher.fail_lost(a, action.rank, action.error)
+
+    def _arm(self, action: lc.Arm) -> None:
+        old = self._timers.pop(action.timer, None)
+        if old is not None:
+            old.cancel()
+        fact = lc.TimerFired(action.timer, action.token)
+        self._timers[action.timer] = asyncio.get_running_loop().call_later(
+            action.seconds, self.feed, fact
+        )
+
+    # -- placing ------------------------------------------------------------------------------
+    async def _find_replicas(self, last: Attempt) -> None:
+        """Ask the workers that keep the job's replicas what they hold before planning the
+        next attempt: a rank's word that its replica landed is lost when its worker dies
+        right after (SIGKILL within milliseconds), while the replica itself is safe."""
+        holders = self.ledger.holders() | {
+            s.checkpoint.replica_holder for s in last.specs if s.checkpoint.replica_holder
+        }
+        if not holders:
+            return
+        try:
+            held = await self.launcher.held_replicas(sorted(holders))
+        except Exception as exc:  # the restart reads the store instead
+            self._note(f"could not ask {sorted(holders)} which replicas they hold: {exc}")
+            return
+        for holder, entries in held.items():
+            for writer, world, step in entries:
+                if self.ledger.found(writer, world, step, holder):
+                    logger.info(
+                        "dask-ddp job %s: %s keeps the replica of rank %d's checkpoint of "
+                        "step %d, which its rank did not get to announce",
+                        self.job_id, holder, writer, step,
+                    )  # fmt: skip
+
+    def _restore(self, attempt: Attempt) -> tuple[str | None, int | None]:
+        """Decide where each rank of a new attempt reads the last checkpoint (a surviving
+        peer's memory, else the store) and tell the ranks; return it in one word, and the
+        checkpoint's step."""
+        plans, source, step = self.ledger.plan(len(attempt.workers), self.plugin.scheduler.workers)
+        if source is None:
+            return None, None
+        self.launcher.restore_from(attempt, plans)
+        where = "; ".join(
+            f"rank {rank}: {', '.join(r.describe() for r in plan)}"
+            for rank, plan in enumerate(plans)
+        )
+        logger.info(
+            "dask-ddp job %s: attempt %d resumes from the checkpoint of step %d (%s): %s",
+            self.job_id, attempt.number, step, source, where,
+        )  # fmt: skip
+        return source, step
+
+    def _candidates(self, number: int) -> list[str]:
+        """The workers an attempt may run on: the ones asked for (the first attempt of a job
+        that names its workers), else the ones it holds, then the rest in rank order."""
+        if number == 0 and isinstance(self.spec.workers, list):
+            return list(self.spec.workers)
+        workers = self.plugin.scheduler.workers
+        held = [w for w in self.plugin.pool.held(self.job_id) if w in workers]
+        ordered = order_workers([WorkerInfo(a, ws.host) for a, ws in workers.items()])
+        return held + [w.address for w in ordered if w.address not in held]
+
+    # -- checkpoints the ranks told of --------------------------------------------------------
+    def _replicated(self, rank: int, step: int, holder: str, world: int | None) -> None:
+        """A rank's checkpoint is in ``holder``'s memory too; the worker that held the one
+        before (an earlier attempt's holder) lets it go."""
+        before = self.ledger.replicated(rank, step, holder, world)
+        if before is not None:
+            key = (writer_rank(rank, world), world)
+            self._cleanup(self.launcher.drop_replicas([before], key), f"drop a replica on {before}")
+
+    def _cleanup(self, work: Any, what: str) -> None:
+        """Run a clean-up that decides nothing; if it fails, the job's notes say so."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception as exc:
+                self._note(f"could not {what}: {type(exc).__name__}: {exc}")
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _loaded(self, a: Attempt, rank: int, body: list[Any]) -> None:
+        """A rank loaded its state: ``Job.history`` says where it really came from."""
+        source, step, where = body
+        a.loaded.setdefault(rank, []).append(body)
+        planned = (
+            {r.source for r in a.specs[rank].checkpoint.restore} if rank < len(a.specs) else set()
+        )
+        if planned and source not in planned:
+            self._note(
+                f"attempt {a.number}: rank {rank} loaded the checkpoint of step {step} from "
+                f"the {source} ({where}), not from the {'+'.join(sorted(planned))} as planned"
+            )
+        sources: set[str] = set()
+        for r, spec in enumerate(a.specs):
+            told = a.loaded.get(r)
+            sources |= {b[0] for b in told} if told else {p.source for p in spec.checkpoint.restore}
+        steps = [b[1] for told in a.loaded.values() for b in told]
+        restored = (describe_sources(sources), max(steps))
+        for i in range(len(self.history) - 1, -1, -1):
+            entry = self.history[i]
+            if entry.state is JobState.RUNNING and entry.attempt == a.number:
+                if (entry.restored_from, entry.restored_step) != restored:
+                    self.history[i] = dataclasses.replace(
+                        entry, restored_from=restored[0], restored_step=restored[1]
+                    )
+                    self._publish()
+                break
+
+    # -- the end ------------------------------------------------------------------------------
+    async def _finish(self, action: lc.Finish) -> None:
+        """The job is over (its workers went back with its final state): what is left of
+        it goes, and it says so."""
+        self.finished = time.time()
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        self.plugin.pool.forget(self.job_id)
+        if not self.placed.done():
+            if action.error is not None:  # it failed before any attempt was placed
+                self.placed.set_exception(action.error)
+            else:
+                self.placed.set_result(None)
+        if self.ledger.holders():  # the job's replicas leave its holders' memory
+            try:
+                await self.launcher.drop_replicas(sorted(self.ledger.holders()), None)
+            except Exception as exc:
+                self._note(f"could not drop its checkpoint replicas: {exc}")
+        if self._datasets is not None:
+            try:
+                await self._datasets.release(self.plugin.client)
+            except Exception as exc:
+                self._note(f"could not release its datasets: {exc}")
+        self.stopped.set()
+        self._publish()
+        self.plugin.job_ended(self)
+
+    # -- what it says -------------------------------------------------------------------------
+    def _transition(self, action: lc.Publish) -> None:
+        """Enter a state: one history entry, one log line, one message to the clients."""
+        state, now = action.state, time.time()
+        old = self.history[-1].state.value if self.history else "launched"
+        if state in (JobState.RESTARTING, JobState.RESIZING) or state.final:
+            self._since = now  # training stopped here
+        reason = action.reason
+        restored = self._restored if action.new_attempt else (None, None)
+        if state.final or action.error is not None:
+            self.error = action.error
+        self.history.append(
+            Transition(
+                state,
+                reason,
+                now,
+                attempt=action.attempt,
+                world_size=action.world_size,
+                since=self._since if state is JobState.RUNNING else None,
+                restored_from=restored[0],
+                restored_step=restored[1],
+            )
+        )
+        logger.info(
+            "dask-ddp job %s (%s): %s -> %s: %s",
+            self.job_id, self.spec.name, old, state.value, reason,
+            extra={"job_state": state.value},
+        )  # fmt: skip
+        if state in (JobState.RUNNING, JobState.WAITING) and not self.placed.done():
+            self.placed.set_result(None)
+        self._publish()
+
+    def _waiting(self, action: lc.Waiting) -> None:
+        """Say what the job waits for: one line per new kind of wait."""
+        self.wait_reason = lc.wait_text(action.wait, action.seconds_left)
+        if action.announce:
+            logger.info("dask-ddp job %s: %s", self.job_id, self.wait_reason)
+            self._publish()
+
+    def _first_step(self) -> None:
+        """The current attempt's first record arrived: its ``running`` entry says when."""
+        now = time.time()
+        for i in range(len(self.history) - 1, -1, -1):
+            entry = self.history[i]
+            if entry.state is JobState.RUNNING:
+                self.history[i] = dataclasses.replace(entry, first_step=now)
+                before = [t for t in self.history[:i] if t.state is JobState.RUNNING]
+                if before and before[-1].world_size != entry.world_size:
+                    self._note(
+                        f"resized from {before[-1].world_size} to {entry.world_size} ranks; "
+                        f"training again {now - (entry.since or now):.1f} s after it stopped"
+                    )
+                break
+        self._publish()
+
+    def _note(self, text: str) -> None:
+        logger.info("dask-ddp job %s: %s", self.job_id, text)
+        self.notes.append(text)
+        del self.notes[:-_NOTES_KEPT]
+        self._publish()
+
+    def _publish(self) -> None:
+        """Tell every client following the job (its topic's subscribers) where it is.
+
+        Not the job's outcome while its attempt's futures are being published: a client
+        that hears it reads the ranks' values (and a failed rank's own exception) from them
+        at once. A job that ends while its publish is on its way (a short one, on a busy
+        scheduler) is told of once they are published, or could not be."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        if self._publishing is not None and self._outcome() is not None:
+            return  # _publish_attempt says it
+        self._version += 1
+        self.plugin.scheduler.log_event(self.topic, self.public_state())
+        self.plugin.changes.bump()
+
+    def _publish_soon(self) -> None:
+        """:meth:`_publish` within ``ddp.event-flush-interval``, once for everything that
+        changed meanwhile (each state message costs the scheduler and every client: ranks
+        that end one by one must not send one each)."""
+        if self._soon is None:
+            interval = self.settings.event_flush_interval
+            self._soon = asyncio.get_running_loop().call_later(interval, self._publish)
+
+    def _holding(self) -> str | None:
+        """The line the views show under the job's title: what a waiting job waits for, or
+        why a stalled one is stalled."""
+        if self.life.phase is lc.Phase.WAITING:
+            return self.wait_reason
+        if self.life.stalled and self.history:
+            return f"stalled: {self.history[-1].reason}"
+        return None
+
+    def public_state(self) -> dict[str, Any]:
+        """The job as clients see it (msgpack-able): state, placement, history, error."""
+        a = self.attempt
+        waiting = self._holding()
+        return {
+            "kind": "state",
+            "version": self._version,
+            "job": self.job_id,
+            "name": self.spec.name,
+            "state": self.state.value,
+            "outcome": self._outcome(),
+            "attempt": a.number if a is not None else 0,
+            "run_id": a.run_id if a is not None else None,
+            "workers": list(a.workers) if a is not None else [],
+            "backend": a.backend if a is not None else "",
+            "dataset": a.dataset if a is not None and a.published else None,
+            "keys": list(a.keys) if a is not None else [],
+            "ended": [s.ended for s in self.progress.status] if a is not None else [],
+            "waiting": waiting,
+            "history": [t.to_wire() for t in self.history],
+            "error": errors.to_wire(self.error) if self.error is not None else None,
+            "notes": list(self.notes),
+            "total": self.spec.total_steps,
+            "stopped": self.stopped.is_set(),
+            "launched_by": self.spec.launched_by,
+            "started": self.started,
+            "detached": self.spec.detach,
+        }
+
+    def _outcome(self) -> str | None:
+        """The state the job ends in, once that is decided (while it is ``stopping``)."""
+        life = self.life
+        if life.state.final:
+            return life.state.value
+        if life.state is JobState.STOPPING and life.next_state is not None:
+            return life.next_state.value
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """What the ``/ddp/`` page draws: the live view's state, capped (each rank's values
+        and curve as :meth:`Progress.page_ranks <dask_ddp._shared.progress.Progress.page_ranks>`
+        caps them, the last 20 notes, no printed output)."""
+        a = self.attempt
+        error = self.error
+        return view_state(
+            job=self.job_id,
+            name=self.spec.name,
+            state=self.state.value,
+            waiting=self._holding(),
+            total=self.spec.total_steps,
+            backend=a.backend if a is not None else "",
+            elapsed=(self.finished or time.time()) - self.started,
+            attempts=a.number + 1 if a is not None else 0,
+            records=self.progress.records,
+            ranks=self.progress.page_ranks(),
+            metric=self.progress.metric,
+            error=None if error is None else first_line(error),
+            traceback=getattr(error, "rank_traceback", None) or None,
+            notes=self.notes,
+            output=[],
+            launched_by=self.spec.launched_by,
+            client=self.spec.client,
+            started=self.started,
+            followers=len(self.followers),
+            detached=self.spec.detach,
+        )
