@@ -503,6 +503,20 @@ def test_smoothing_is_tensorboards() -> None:
     assert view.smoothed([0.0, 10.0]) == pytest.approx([0.0, 6.25])
 
 
+def test_a_rank_s_end_is_shown_as_the_supervisor_typed_it() -> None:
+    """The supervisor sends how each rank ended as a typed value; the client shows it and
+    never reads a status back out of its words (a why that starts with another status's
+    word changes nothing)."""
+    model = JobModel("3f2a", "train")
+    ends = [["failed", "finished: the words are not read"], ["stopped", "rank 0 failed"], None]
+    workers = [f"tcp://w:{r}" for r in range(3)]
+    model.apply_state(_state("3f2a", 1, "failed", workers, ended=ends))
+    ranks = model.snapshot()["ranks"]
+    assert [r["status"] for r in ranks] == ["failed", "stopped", "submitted"]
+    assert ranks[0]["error"] == "failed: finished: the words are not read"
+    assert ranks[1]["error"] == "stopped: rank 0 failed" and ranks[2]["error"] is None
+
+
 def test_the_widget_follows_a_job_that_changes_size() -> None:
     pytest.importorskip("ipywidgets")
 

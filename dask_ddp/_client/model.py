@@ -109,9 +109,9 @@ class JobModel:
             if new or msg.get("workers", []) != self.workers:
                 self.workers = list(msg.get("workers", []))
                 self.progress.place(self.workers)
-            for rank, how in enumerate(msg.get("ended", [])):
-                if how is not None:
-                    self.progress.end(rank, how)
+            for rank, ended in enumerate(msg.get("ended", [])):
+                if ended is not None:
+                    self.progress.end(rank, protocol.Ended.from_wire(ended))
             if self.state.final and self.finished is None:
                 self.finished = time.time()
             self.cond.notify_all()

@@ -50,7 +50,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import errors
-from .._shared.protocol import RankOutcome, Verdict, run_id_of
+from .._shared.protocol import Ended, RankEnd, RankOutcome, Verdict, run_id_of
 from .._shared.values import JobState
 
 __all__ = [
@@ -522,7 +522,7 @@ class FailTask:
     rank: int
     worker: str
     error: BaseException
-    status: str | None = None
+    status: Ended | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -816,16 +816,12 @@ class _Step:
             elif rank.task is None and ending is not None:  # stopped already, for this
                 run = run_id_of(self.policy.job, life.attempt)
                 stopped = errors.RankStoppedError(r, ending.why, job=run)
-                self.actions.append(
-                    FailTask(life.attempt, r, rank.worker, stopped, f"stopped: {ending.headline}")
-                )
+                shown = Ended(RankEnd.STOPPED, ending.headline)
+                self.actions.append(FailTask(life.attempt, r, rank.worker, stopped, shown))
             elif rank.task is None:
                 lost = errors.WorkerLostError(r, rank.worker, rank.key)
-                self.actions.append(
-                    FailTask(
-                        life.attempt, r, rank.worker, lost, "lost: its worker left the cluster"
-                    )
-                )
+                shown = Ended(RankEnd.LOST, "its worker left the cluster")
+                self.actions.append(FailTask(life.attempt, r, rank.worker, lost, shown))
             self.update(r, lost=True)
         self.progress()
 

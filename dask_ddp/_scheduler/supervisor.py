@@ -213,7 +213,7 @@ class Supervisor:
             except (WireVersionError, KeyError, TypeError, ValueError) as exc:
                 self._note(f"rank {rank}: its final marker could not be read ({exc})")
                 return
-            self.progress.end(rank, outcome.describe())
+            self.progress.end(rank, outcome.end())
             self.feed(lc.RankEnded(a.number, rank, outcome))
             self._publish_soon()  # every client's view says how the rank ended, as decided here
 
@@ -775,7 +775,7 @@ class Supervisor:
             "backend": a.backend if a is not None else "",
             "dataset": a.dataset if a is not None and a.published else None,
             "keys": list(a.keys) if a is not None else [],
-            "ended": [s.ended for s in self.progress.status] if a is not None else [],
+            "ended": [s.ended and s.ended.to_wire() for s in self.progress.status] if a else [],
             "waiting": waiting,
             "history": [t.to_wire() for t in self.history],
             "error": errors.to_wire(self.error) if self.error is not None else None,

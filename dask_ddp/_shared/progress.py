@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .protocol import Ended, RankEnd
+
 __all__ = ["Progress", "pick_curve_metric", "view_state"]
 
 CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinned)
@@ -156,7 +158,7 @@ class _RankStatus:
         self.phase: str | None = None  # None: submitted, its task has not started yet
         self.detail = ""
         self.time = 0.0  # when the rank said it (the rank's clock, as record times)
-        self.ended: str | None = None  # "finished", "failed: ...", "stopped: ...", "lost: ..."
+        self.ended: Ended | None = None  # how its task ended, as the supervisor decided
 
     def fresh(self, prog: _RankProgress) -> bool:
         """Whether what the rank last said it was busy with is still news: said before it
@@ -239,10 +241,10 @@ class Progress:
         status.time = float(when or 0.0)
         self.changes += 1
 
-    def end(self, rank: int, how: str) -> None:
-        """Rank ``rank``'s task ended: ``"finished"``, ``"failed: ..."``, ``"stopped: ..."``."""
+    def end(self, rank: int, ended: Ended) -> None:
+        """Rank ``rank``'s task ended (the first word on it stands)."""
         if 0 <= rank < len(self.status) and self.status[rank].ended is None:
-            self.status[rank].ended = how
+            self.status[rank].ended = ended
             self.changes += 1
 
     def ranks(self, *, curve_points: int | None = None, values: int | None = None) -> list[dict]:
@@ -253,8 +255,8 @@ class Progress:
             zip(self.workers, self.progress, self.status, strict=True)
         ):
             ended = status.ended
-            error = ended if ended and not ended.startswith("finished") else None
-            phase = ended.split(":", 1)[0] if ended else status.phase or "submitted"
+            error = ended.describe() if ended and ended.how is not RankEnd.FINISHED else None
+            phase = ended.how.value if ended else status.phase or "submitted"
             out.append(
                 {
                     "rank": r,

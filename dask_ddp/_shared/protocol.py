@@ -48,8 +48,10 @@ __all__ = [
     "HANDLERS",
     "VERSION",
     "CheckpointPlan",
+    "Ended",
     "Entry",
     "EventPlan",
+    "RankEnd",
     "RankOutcome",
     "RankSpec",
     "Rendezvous",
@@ -108,6 +110,47 @@ class Verdict(str, enum.Enum):
         return self in (Verdict.RETRY, Verdict.FAIL)
 
 
+class RankEnd(str, enum.Enum):
+    """How a rank's task ended, as every view shows it (its row's status).
+
+    - ``finished``: its function returned.
+    - ``failed``: its function raised.
+    - ``stopped``: it was stopped (the job was cancelled, another rank failed, the job grows).
+    - ``lost``: its worker left the cluster before the rank said how it ended.
+    """
+
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """A rank's end as the supervisor decided it, sent to every client as it is: ``how``,
+    and ``why`` in words for people (never parsed back).
+
+    >>> e = Ended(RankEnd.FAILED, "ValueError: bad batch")
+    >>> e.describe(), Ended.from_wire(e.to_wire()) == e
+    ('failed: ValueError: bad batch', True)
+    """
+
+    how: RankEnd
+    why: str = ""
+
+    def describe(self) -> str:
+        """The end in a few words, as a rank's row says it."""
+        return f"{self.how.value}: {self.why}" if self.why else self.how.value
+
+    def to_wire(self) -> list[str]:
+        return [self.how.value, self.why]
+
+    @classmethod
+    def from_wire(cls, data: list[str]) -> Ended:
+        how, why = data
+        return cls(RankEnd(how), str(why))
+
+
 @dataclasses.dataclass(frozen=True)
 class RankOutcome:
     """How one rank ended, carried by its final marker to the supervisor and the clients.
@@ -135,7 +178,7 @@ class RankOutcome:
     >>> o = RankOutcome(Verdict.FAIL, "builtins.ValueError", "ValueError: bad batch")
     >>> RankOutcome.from_wire(o.to_wire()) == o
     True
-    >>> RankOutcome(Verdict.STOPPED, failed_rank=1, summary="ValueError: x").describe()
+    >>> RankOutcome(Verdict.STOPPED, failed_rank=1, summary="ValueError: x").end().describe()
     'stopped: rank 1 failed'
     """
 
@@ -147,17 +190,17 @@ class RankOutcome:
     peer_lost: bool = False
     step: int | None = None
 
-    def describe(self) -> str:
+    def end(self) -> Ended:
         """How the rank ended, as its row in the views says it."""
         if self.verdict.failed:
-            return f"failed: {self.summary}"
+            return Ended(RankEnd.FAILED, self.summary)
         if self.verdict is Verdict.STOPPED:
             if self.failed_rank is not None:
-                return f"stopped: rank {self.failed_rank} failed"
-            return f"stopped: {self.summary}"
+                return Ended(RankEnd.STOPPED, f"rank {self.failed_rank} failed")
+            return Ended(RankEnd.STOPPED, self.summary)
         if self.verdict is Verdict.GROW:
-            return f"stopped: the job resizes at step {self.step}"
-        return "finished"
+            return Ended(RankEnd.STOPPED, f"the job resizes at step {self.step}")
+        return Ended(RankEnd.FINISHED)
 
     def to_wire(self) -> dict[str, Any]:
         """Plain values with the record's version."""

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .protocol import RankEnd
 from .values import FINAL_STATES
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
@@ -125,9 +126,8 @@ def _bars(snap: dict[str, Any]) -> list[tuple[int, int]]:
 
 def _bar_style(r: dict[str, Any], snap: dict[str, Any]) -> str:
     """ipywidgets' colour of a rank's bar: red where it failed, amber where it was stopped."""
-    error = r.get("error") or ""
-    if error:
-        return "warning" if error.startswith("stopped") else "danger"
+    if r.get("error"):
+        return "warning" if r["status"] == RankEnd.STOPPED.value else "danger"
     return "success" if snap["state"] == "succeeded" else "info"
 
 
