@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -136,6 +137,45 @@ def test_retryable_error_restarts_the_job(client: Client) -> None:
     job = dask_ddp.launch(client, _flaky_once, max_restarts=1)
     assert job.result(timeout=120) == [1, 1]
     assert job.attempts == 2
+
+
+def _resume_once() -> int | None:
+    ctx = dask_ddp.get_context()
+    state = dask_ddp.get_checkpoint()
+    if state is None:
+        dask_ddp.save_checkpoint({"step": 3}, step=3)
+        dask_ddp.report({"loss": 1.0}, step=3)
+        torch.distributed.barrier()  # rank 0's checkpoint is written before rank 1 fails
+        if ctx.rank == 1:
+            raise dask_ddp.RetryableError("fails once, after its checkpoint")
+        torch.distributed.barrier()  # stopped here by rank 1's failure
+    dask_ddp.report({"loss": 0.5}, step=4)
+    return None if state is None else state["step"]
+
+
+def test_history_entries_never_change_once_published(client: Client, tmp_path: Path) -> None:
+    """What the supervisor learns of an attempt after its ``running`` entry went out (its
+    first record, where its state came from) is a record of its own: every message on the
+    job's topic carries the history before it unchanged, and ``Job.history`` shows the
+    attempt's start on its entry."""
+    from dask_ddp._shared.protocol import job_topic
+    from dask_ddp._shared.values import JobState, Transition
+
+    job = dask_ddp.launch(client, _resume_once, checkpoint_dir=str(tmp_path), max_restarts=1)
+    assert job.result(timeout=120) == [3, 3]
+    states = sorted(
+        (m for _, m in client.get_events(job_topic(job.job_id)) if m.get("kind") == "state"),
+        key=lambda m: m["version"],
+    )
+    for before, after in itertools.pairwise(states):
+        assert after["history"][: len(before["history"])] == before["history"]
+    published = [Transition.from_wire(t) for t in states[-1]["history"]]
+    assert all(t.first_step is None and t.restored_from is None for t in published)
+    running = [t for t in job.history if t.state is JobState.RUNNING]
+    assert [t.attempt for t in running] == [0, 1]
+    assert all(t.first_step is not None for t in running)
+    assert (running[0].restored_from, running[1].restored_step) == (None, 3)
+    assert running[1].restored_from in ("peer", "store", "peer+store")
 
 
 def test_other_errors_are_not_retried(client: Client) -> None:

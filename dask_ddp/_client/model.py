@@ -22,7 +22,15 @@ from typing import Any
 
 from .._shared import protocol, view
 from .._shared.progress import Progress, view_state
-from .._shared.values import CheckpointInfo, JobState, MetricRecord, OutputLine, Transition
+from .._shared.values import (
+    AttemptStart,
+    CheckpointInfo,
+    JobState,
+    MetricRecord,
+    OutputLine,
+    Transition,
+    with_starts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +108,10 @@ class JobModel:
             self.backend = msg.get("backend", "")
             self.dataset = msg.get("dataset")
             self.keys = list(msg.get("keys", []))
-            self.history = [Transition.from_wire(t) for t in msg.get("history", [])]
+            self.history = with_starts(
+                [Transition.from_wire(t) for t in msg.get("history", [])],
+                [AttemptStart.from_wire(s) for s in msg.get("starts", [])],
+            )
             self.error = msg.get("error")
             self.wait_reason = msg.get("waiting")
             self.total_steps = msg.get("total")

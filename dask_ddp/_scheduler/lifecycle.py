@@ -579,8 +579,7 @@ class Disarm:
 class Publish:
     """Enter ``state``: one history entry, one log line, one message to the clients.
     ``ending``: what ended the attempt; ``error``: the error the job ends with, once its
-    end is decided (a final state, or ``stopping`` towards one); ``new_attempt``: the
-    first ``running`` of an attempt."""
+    end is decided (a final state, or ``stopping`` towards one)."""
 
     state: JobState
     reason: str
@@ -588,7 +587,6 @@ class Publish:
     world_size: int
     ending: Ending | None = None
     error: BaseException | None = None
-    new_attempt: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -768,9 +766,7 @@ class _Step:
             self.end(Ending(EndKind.CANCELLED, life.cancel))
             return
         hosts = "host" if fact.hosts == 1 else "hosts"
-        self.publish(
-            JobState.RUNNING, f"{len(ranks)} ranks on {fact.hosts} {hosts}", new_attempt=True
-        )
+        self.publish(JobState.RUNNING, f"{len(ranks)} ranks on {fact.hosts} {hosts}")
         self.evaluate()
 
     def on_RankStarted(self, fact: RankStarted) -> None:
@@ -1224,8 +1220,6 @@ class _Step:
         state: JobState,
         reason: str,
         ending: Ending | None = None,
-        *,
-        new_attempt: bool = False,
     ) -> BaseException | None:
         """Enter ``state``; once the job's end is decided, with the error it ends with
         (returned)."""
@@ -1236,7 +1230,7 @@ class _Step:
             final = life.next_state
         error = self.error_of(final, ending) if final is not None else None
         self.set(state=state)
-        self.actions.append(Publish(state, reason, life.attempt, world, ending, error, new_attempt))
+        self.actions.append(Publish(state, reason, life.attempt, world, ending, error))
         return error
 
     def error_of(self, state: JobState, ending: Ending | None) -> BaseException | None:

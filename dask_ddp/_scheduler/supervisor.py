@@ -37,7 +37,7 @@ from .._shared import tracebacks as _traceback
 from .._shared.placement import WorkerInfo, order_workers
 from .._shared.progress import Progress, view_state
 from .._shared.protocol import RankOutcome, Told, job_topic
-from .._shared.values import CheckpointInfo, JobSpec, JobState, Transition
+from .._shared.values import AttemptStart, CheckpointInfo, JobSpec, JobState, Transition
 from ..errors import DaskDDPError, WireVersionError
 from . import lifecycle as lc
 from .launcher import Attempt, Launcher
@@ -122,7 +122,8 @@ class Supervisor:
             stall_action=lc.StallAction(settings.stall_action),
         )
         self.life = lc.Life.new(self.policy)
-        self.history: list[Transition] = []
+        self.history: list[Transition] = []  # appended to, never rewritten
+        self.starts: dict[int, AttemptStart] = {}  # what each attempt's entry did not know
         self.attempt: Attempt | None = None
         self._prepared: Attempt | None = None  # probed and planned, not submitted yet
         self.error: BaseException | None = None
@@ -143,7 +144,6 @@ class Supervisor:
         self._timers: dict[lc.Timer, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._since = self.started  # when the job last stopped training
-        self._restored: tuple[str | None, int | None] = (None, None)
         self._version = 0  # of the last message to the clients (they ignore older ones)
         # Stalls: when a rank of the current attempt last sent anything, and the ranks'
         # stacks at the last sample taken while none did.
@@ -226,7 +226,7 @@ class Supervisor:
             )  # fmt: skip
             if not a.reported:
                 a.reported = True
-                self._first_step()
+                self._first_step(a)
         if told.status is not None:
             self.progress.set_status(rank, *told.status)
             if told.status.phase is not None:
@@ -465,7 +465,8 @@ class Supervisor:
         attempt, self._prepared = self._prepared, None
         if attempt is None or attempt.number != action.attempt:
             return
-        self._restored = self._restore(attempt)
+        source, step = self._restore(attempt)
+        self.starts[attempt.number] = AttemptStart(attempt.number, None, source, step)
         self.attempt = attempt
         self.plugin.watch_keys(self, attempt.keys)
         self.progress.place(attempt.workers)
@@ -625,16 +626,13 @@ class Supervisor:
             told = a.loaded.get(r)
             sources |= {b[0] for b in told} if told else {p.source for p in spec.checkpoint.restore}
         steps = [b[1] for told in a.loaded.values() for b in told]
-        restored = (describe_sources(sources), max(steps))
-        for i in range(len(self.history) - 1, -1, -1):
-            entry = self.history[i]
-            if entry.state is JobState.RUNNING and entry.attempt == a.number:
-                if (entry.restored_from, entry.restored_step) != restored:
-                    self.history[i] = dataclasses.replace(
-                        entry, restored_from=restored[0], restored_step=restored[1]
-                    )
-                    self._publish()
-                break
+        start = self.starts.get(a.number, AttemptStart(a.number))
+        restored = dataclasses.replace(
+            start, restored_from=describe_sources(sources), restored_step=max(steps)
+        )
+        if restored != start:
+            self.starts[a.number] = restored
+            self._publish()
 
     # -- the end ------------------------------------------------------------------------------
     async def _finish(self, action: lc.Finish) -> None:
@@ -672,7 +670,6 @@ class Supervisor:
         if state in (JobState.RESTARTING, JobState.RESIZING) or state.final:
             self._since = now  # training stopped here
         reason = action.reason
-        restored = self._restored if action.new_attempt else (None, None)
         if state.final or action.error is not None:
             self.error = action.error
         self.history.append(
@@ -683,8 +680,6 @@ class Supervisor:
                 attempt=action.attempt,
                 world_size=action.world_size,
                 since=self._since if state is JobState.RUNNING else None,
-                restored_from=restored[0],
-                restored_step=restored[1],
             )
         )
         logger.info(
@@ -703,20 +698,19 @@ class Supervisor:
             logger.info("dask-ddp job %s: %s", self.job_id, self.wait_reason)
             self._publish()
 
-    def _first_step(self) -> None:
-        """The current attempt's first record arrived: its ``running`` entry says when."""
+    def _first_step(self, a: Attempt) -> None:
+        """The current attempt's first record arrived: its start says when."""
         now = time.time()
-        for i in range(len(self.history) - 1, -1, -1):
-            entry = self.history[i]
-            if entry.state is JobState.RUNNING:
-                self.history[i] = dataclasses.replace(entry, first_step=now)
-                before = [t for t in self.history[:i] if t.state is JobState.RUNNING]
-                if before and before[-1].world_size != entry.world_size:
-                    self._note(
-                        f"resized from {before[-1].world_size} to {entry.world_size} ranks; "
-                        f"training again {now - (entry.since or now):.1f} s after it stopped"
-                    )
-                break
+        start = self.starts.get(a.number, AttemptStart(a.number))
+        self.starts[a.number] = dataclasses.replace(start, first_step=now)
+        running = [t for t in self.history if t.state is JobState.RUNNING]
+        here = next((t for t in running if t.attempt == a.number), None)
+        before = [t for t in running if t.attempt < a.number]
+        if here is not None and before and before[-1].world_size != here.world_size:
+            self._note(
+                f"resized from {before[-1].world_size} to {here.world_size} ranks; "
+                f"training again {now - (here.since or now):.1f} s after it stopped"
+            )
         self._publish()
 
     def _note(self, text: str) -> None:
@@ -778,6 +772,7 @@ class Supervisor:
             "ended": [s.ended and s.ended.to_wire() for s in self.progress.status] if a else [],
             "waiting": waiting,
             "history": [t.to_wire() for t in self.history],
+            "starts": [s.to_wire() for s in self.starts.values()],
             "error": errors.to_wire(self.error) if self.error is not None else None,
             "notes": list(self.notes),
             "total": self.spec.total_steps,

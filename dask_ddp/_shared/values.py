@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "FINAL_STATES",
+    "AttemptStart",
     "CheckpointInfo",
     "JobInfo",
     "JobSpec",
@@ -21,6 +22,7 @@ __all__ = [
     "MetricRecord",
     "OutputLine",
     "Transition",
+    "with_starts",
 ]
 
 
@@ -107,8 +109,8 @@ class Transition:
         checkpoint (:func:`dask_ddp.get_checkpoint`): ``"peer"`` (a replica in a surviving
         worker's memory), ``"store"`` (the durable copy under ``checkpoint_dir``), or
         ``"peer+store"`` (per-rank state, some of each); None while no rank loaded one.
-        Set when the attempt is placed (the supervisor's plan) and corrected by what the
-        ranks report.
+        The supervisor's plan when the attempt is placed, corrected by what the ranks
+        report.
     restored_step : int or None
         ``running`` entries: the step of that checkpoint.
 
@@ -152,6 +154,57 @@ class Transition:
         True
         """
         return cls(**{**data, "state": JobState(data["state"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptStart:
+    """What the supervisor learns of an attempt after its ``running`` entry was published
+    (an entry, once published, never changes): when its first record came, and where its
+    ranks' state came from (the plan when it is placed, then what the ranks report).
+    :attr:`Job.history <dask_ddp.Job.history>` shows them on the attempt's first
+    ``running`` entry (:func:`with_starts`).
+
+    >>> s = AttemptStart(1, first_step=5.0, restored_from="peer", restored_step=40)
+    >>> AttemptStart.from_wire(s.to_wire()) == s
+    True
+    """
+
+    attempt: int
+    first_step: float | None = None
+    restored_from: str | None = None
+    restored_step: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> AttemptStart:
+        return cls(**data)
+
+
+def with_starts(history: list[Transition], starts: list[AttemptStart]) -> list[Transition]:
+    """``history`` as :attr:`Job.history <dask_ddp.Job.history>` shows it: each attempt's
+    first ``running`` entry with what was learned of the attempt since (``starts``).
+
+    >>> h = [Transition(JobState.RUNNING, "2 ranks", 1.0, 0, 2, since=0.0),
+    ...      Transition(JobState.RUNNING, "stall ended", 9.0, 0, 2, since=0.0)]
+    >>> [t.first_step for t in with_starts(h, [AttemptStart(0, first_step=3.0)])]
+    [3.0, None]
+    """
+    by_attempt = {s.attempt: s for s in starts}
+    shown, seen = [], set()
+    for t in history:
+        start = by_attempt.get(t.attempt)
+        if t.state is JobState.RUNNING and start is not None and t.attempt not in seen:
+            seen.add(t.attempt)
+            t = dataclasses.replace(
+                t,
+                first_step=start.first_step,
+                restored_from=start.restored_from,
+                restored_step=start.restored_step,
+            )
+        shown.append(t)
+    return shown
 
 
 class MetricRecord(NamedTuple):
