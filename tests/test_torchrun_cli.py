@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dask_ddp.__main__ import TORCHRUN_OPTIONS, torchrun_table
+from dask_ddp._client.cli import TORCHRUN_OPTIONS, torchrun_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "scripts.md"
 
