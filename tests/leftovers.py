@@ -21,16 +21,16 @@ async def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
     if plugin is None or plugin.pool is None:
         return {"held": {}, "jobs": []}
     ending = [
-        job.stopped.wait()
+        job.until(lambda job=job: job.closed)
         for job in plugin.jobs.values()
         if job.state.value == "stopping" or job.state.final
     ]
     if ending:
-        await asyncio.wait([asyncio.ensure_future(e) for e in ending], timeout=60)
+        await asyncio.wait(ending, timeout=60)
     jobs = [
         [job.job_id, job.spec.name, job.state.value]
         for job in plugin.jobs.values()
-        if not job.stopped.is_set()
+        if not job.closed
     ]
     return {"held": dict(plugin.pool.holder), "jobs": jobs}
 

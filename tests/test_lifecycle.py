@@ -211,6 +211,7 @@ class World:
             if self.finished:
                 raise InvariantBroken("finished twice")
             self.finished = True
+            self.later.append(("finish", action))  # its clean-up takes a while
 
     @staticmethod
     def harmful(p: Proc) -> bool:
@@ -260,6 +261,8 @@ class World:
             self.later.append(("restarted", action))
         elif kind == "restarted":
             self.queue.append(lc.WorkersRestarted(frozenset(action.workers)))
+        elif kind == "finish":
+            self.queue.append(lc.Finished())
 
     def kill(self, w: str, *, replace: bool) -> None:
         for p in self.procs:
@@ -392,6 +395,10 @@ class World:
 
     def check(self, before: lc.Life, fact: Any, actions: list[Any]) -> None:
         life = self.life
+        if life.closed and not (life.phase is lc.Phase.ENDED and self.finished):
+            raise InvariantBroken(f"closed while {life.phase}, its Finish not carried out")
+        if before.closed and not life.closed:
+            raise InvariantBroken("a closed job opened again")
         if life.phase is lc.Phase.ENDED:
             if life.held:
                 raise InvariantBroken(f"an ended job holds {set(life.held)}")
@@ -409,6 +416,8 @@ class World:
             allowed: tuple[type, ...] = (lc.Release, lc.FailTask)  # a lost rank's future too
             if isinstance(fact, lc.ActionFailed) and fact.action is lc.ActionKind.RELEASE:
                 allowed = (lc.Note, lc.Arm)  # workers the pool failed to take: again, later
+            elif isinstance(fact, lc.ActionFailed) and fact.action is lc.ActionKind.ABORT:
+                allowed = (lc.Note,)  # a stop that failed, answered after the end: said
             if any(not isinstance(a, allowed) for a in actions):
                 raise InvariantBroken(f"an ended job acted: {actions}")
         if isinstance(fact, lc.WorkerLost) and life.phase in (
@@ -465,7 +474,7 @@ class World:
         life = self.life
         for a in actions:
             if isinstance(a, lc.Publish):
-                if a.new_attempt:
+                if a.state is JobState.RUNNING:
                     self.ran = True
                 self.check_error(a)
             elif isinstance(a, lc.Finish):
@@ -542,7 +551,7 @@ class World:
         self.pool_changed()
         self.run_queue()
         for n in range(limit):
-            if self.life.phase is lc.Phase.ENDED and not self.life.unreleased:
+            if self.life.closed and not self.life.unreleased:
                 return n
             if not self.event(cooperate=cooperate, grow=False):
                 break

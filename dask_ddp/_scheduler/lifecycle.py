@@ -239,6 +239,7 @@ class Life:
     restarting: frozenset[str] = frozenset()  # workers asked to restart, not yet answered
     stalled: bool = False  # the running attempt is stalled (published: JobState.STALLED)
     unreleased: frozenset[str] = frozenset()  # given back, but the pool failed to take them
+    closed: bool = False  # ended, and its Finish carried out: nothing of it is left running
 
     @classmethod
     def new(cls, policy: Policy) -> Life:
@@ -394,6 +395,12 @@ class Progressed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Finished:
+    """The job's :class:`Finish` was carried out: its datasets and replicas are gone, and
+    nothing of the job runs any more (the job is *closed*)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TimerFired:
     """A timer armed by an :class:`Arm` action fired (a stale token is ignored)."""
 
@@ -441,6 +448,7 @@ Fact = (
     | CancelAsked
     | ClientLeft
     | ClientAttached
+    | Finished
     | TimerFired
     | ActionFailed
     | Stalled
@@ -869,6 +877,10 @@ class _Step:
                 )
             )
             self.arm(Timer.ORPHAN, timeout)
+
+    def on_Finished(self, fact: Finished) -> None:
+        if self.life.phase is Phase.ENDED:
+            self.set(closed=True)
 
     def on_ClientAttached(self, fact: ClientAttached) -> None:
         if self.life.armed(Timer.ORPHAN) is not None:

@@ -190,7 +190,7 @@ class DaskDDPPlugin(SchedulerPlugin):
         # answer) is said to be stopping still; the client's cancel() waits for its end.
         bound = found.settings.failure_grace + STOP_MARGIN + _CANCEL_SLACK
         try:
-            await asyncio.wait_for(found.stopped.wait(), bound)
+            await asyncio.wait_for(found.until(lambda: found.closed), bound)
         except asyncio.TimeoutError:
             logger.warning(
                 "dask-ddp job %s: not stopped %.0f s after its cancel; answering the client",
@@ -254,7 +254,7 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     def _workers_changed(self) -> None:
         for job in list(self.jobs.values()):
-            if not job.stopped.is_set():
+            if not job.closed:
                 job.workers_changed()
 
     # -- what supervisors ask of it ------------------------------------------------------
@@ -269,7 +269,7 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     def job_ended(self, job: Supervisor) -> None:
         """``job`` ended: forget the oldest finished jobs past ``max_jobs``."""
-        finished = [j for j in self.jobs.values() if j.stopped.is_set()]
+        finished = [j for j in self.jobs.values() if j.closed]
         for old in finished[: max(0, len(finished) - self.max_jobs)]:
             self._drop(old)  # at once: the list never holds more than max_jobs finished
             forgetting = asyncio.ensure_future(self._release(old))
@@ -307,10 +307,13 @@ class DaskDDPPlugin(SchedulerPlugin):
             self.scheduler.subscribe_topic(job.topic, spec.client)
         job.start()
         try:
-            await job.placed
+            await job.until(lambda: bool(job.history))  # it runs, waits, or ended
         except BaseException:
             self._drop(job)
             raise
+        if job.launch_error is not None:  # it failed before any attempt was placed
+            self._drop(job)
+            raise job.launch_error
         return job.public_state()
 
     def _size(self, spec: JobSpec) -> tuple[tuple[int, int], JobSpec]:
@@ -360,7 +363,7 @@ class DaskDDPPlugin(SchedulerPlugin):
         job = self.jobs.get(job_id)
         if job is None:
             return
-        if not job.stopped.is_set():
+        if not job.closed:
             raise JobStillRunningError(job_id, job.state.value)
         self._drop(job)
         await self._release(job)

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import errors
@@ -135,12 +136,12 @@ class Supervisor:
         self.followers: set[str] = set() if spec.detach or not spec.client else {spec.client}
         self.started = time.time()
         self.finished: float | None = None
-        self.stopped = asyncio.Event()  # ranks stopped, workers given back: the very end
-        self.placed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.launch_error: BaseException | None = None  # what launch() raises (Finish)
         self.launcher = Launcher(plugin.client, plugin.scheduler, spec, plugin.gpus, datasets)
         self._datasets = datasets
         self._facts: collections.deque[Any] = collections.deque()
         self._stepping = False
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
         self._timers: dict[lc.Timer, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._since = self.started  # when the job last stopped training
@@ -161,8 +162,23 @@ class Supervisor:
         return self.life.state
 
     # -- facts: what the plugin tells it (hooks on the scheduler's loop: never block) ---------
+    @property
+    def closed(self) -> bool:
+        """The job ended and nothing of it is left running (its life says so)."""
+        return self.life.closed
+
+    def until(self, done: Callable[[], bool]) -> asyncio.Future[None]:
+        """A future that resolves once ``done()`` holds, checked after each fact taken."""
+        future = asyncio.get_running_loop().create_future()
+        if done():
+            future.set_result(None)
+        else:
+            self._waiters.append((done, future))
+        return future
+
     def start(self) -> None:
-        """Start the job's life; :attr:`placed` resolves once it runs or waits."""
+        """Start the job's life (``until(lambda: bool(self.history))``: it ran, waits or
+        ended)."""
         self.feed(lc.Start())
         if self.settings.stall_timeout is not None:
             self._watch_stalls()
@@ -188,6 +204,14 @@ class Supervisor:
                             self._facts.append(failed)
         finally:
             self._stepping = False
+        waiting = []
+        for done, future in self._waiters:
+            if not future.done():
+                if done():
+                    future.set_result(None)
+                else:
+                    waiting.append((done, future))
+        self._waiters = waiting
 
     def on_event(self, msg: dict[str, Any]) -> None:
         """An event of the job's topic: what a rank told in the clear, or its final marker."""
@@ -275,7 +299,7 @@ class Supervisor:
             self.feed(lc.ClientLeft())
 
     def cancel(self, reason: str) -> None:
-        """Ask the job to stop (it ends cancelled); :attr:`stopped` is set once it has."""
+        """Ask the job to stop (it ends cancelled); :attr:`closed` once it has."""
         self.feed(lc.CancelAsked(reason))
 
     # -- actions ------------------------------------------------------------------------------
@@ -331,7 +355,8 @@ class Supervisor:
         elif isinstance(action, lc.Note):
             self._note(action.text)
         elif isinstance(action, lc.Finish):
-            self._spawn(self._finish(action), None, 0)
+            self.launch_error = action.error
+            self._spawn(self._finish(), None, 0)
 
     def _spawn(self, work: Any, kind: lc.ActionKind | None, attempt: int) -> None:
         """Run ``work`` on the loop; if it raises, that is a fact (``ActionFailed``)."""
@@ -635,7 +660,7 @@ class Supervisor:
             self._publish()
 
     # -- the end ------------------------------------------------------------------------------
-    async def _finish(self, action: lc.Finish) -> None:
+    async def _finish(self) -> None:
         """The job is over (its workers went back with its final state): what is left of
         it goes, and it says so."""
         self.finished = time.time()
@@ -643,11 +668,6 @@ class Supervisor:
             handle.cancel()
         self._timers.clear()
         self.plugin.pool.forget(self.job_id)
-        if not self.placed.done():
-            if action.error is not None:  # it failed before any attempt was placed
-                self.placed.set_exception(action.error)
-            else:
-                self.placed.set_result(None)
         if self.ledger.holders():  # the job's replicas leave its holders' memory
             try:
                 await self.launcher.drop_replicas(sorted(self.ledger.holders()), None)
@@ -658,7 +678,7 @@ class Supervisor:
                 await self._datasets.release(self.plugin.client)
             except Exception as exc:
                 self._note(f"could not release its datasets: {exc}")
-        self.stopped.set()
+        self.feed(lc.Finished())
         self._publish()
         self.plugin.job_ended(self)
 
@@ -687,8 +707,6 @@ class Supervisor:
             self.job_id, self.spec.name, old, state.value, reason,
             extra={"job_state": state.value},
         )  # fmt: skip
-        if state in (JobState.RUNNING, JobState.WAITING) and not self.placed.done():
-            self.placed.set_result(None)
         self._publish()
 
     def _waiting(self, action: lc.Waiting) -> None:
@@ -776,7 +794,7 @@ class Supervisor:
             "error": errors.to_wire(self.error) if self.error is not None else None,
             "notes": list(self.notes),
             "total": self.spec.total_steps,
-            "stopped": self.stopped.is_set(),
+            "stopped": self.closed,
             "launched_by": self.spec.launched_by,
             "started": self.started,
             "detached": self.spec.detach,
