@@ -58,8 +58,8 @@ from distributed import Client
 
 import dask_ddp
 from dask_ddp._client.launch import _launch
-from dask_ddp._rank import status as _status
-from dask_ddp._shared import dask_internals as _dask_internals
+from dask_ddp._rank import status
+from dask_ddp._shared import dask_internals
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -82,7 +82,7 @@ def simulated_rank(period: float, flag: str, fail_rank: int, limit: float) -> in
             dask_ddp.report({"loss": 1.0 / (sent + 1), "lr": 0.1}, step=sent)
             sent += 1
             if sent % 10 == 0:
-                _status.activity(f"simulated batch {sent}")
+                status.activity(f"simulated batch {sent}")
             if sent % 20 == 0:
                 dask_ddp.save_checkpoint({"step": sent}, step=sent)
             if ctx.rank == fail_rank and os.path.exists(flag):
@@ -311,7 +311,7 @@ def _run_job(
     time.sleep(settle)
 
     cpu0 = {k: _cpu(v) for k, v in procs.items()}
-    client.run_on_scheduler(_dask_internals.reset_max_tick)
+    client.run_on_scheduler(dask_internals.reset_max_tick)
     w0 = time.time()
     arrivals.window = (w0, w0 + window)
     time.sleep(window / 2)
@@ -320,7 +320,7 @@ def _run_job(
     time.sleep(max(0.0, w0 + window - time.time()))
     elapsed = time.time() - w0
     cpu1 = {k: _cpu(v) for k, v in procs.items()}
-    out.blocked = client.run_on_scheduler(_dask_internals.max_tick_seconds)
+    out.blocked = client.run_on_scheduler(dask_internals.max_tick_seconds)
     out.rss_window = sched.memory_info().rss / 2**20
     out.scheduler_cpu = 100 * (cpu1["scheduler"] - cpu0["scheduler"]) / elapsed
     out.lanes_cpu = 100 * (cpu1["lanes"] - cpu0["lanes"]) / elapsed

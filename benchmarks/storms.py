@@ -205,10 +205,10 @@ def rank_processes(dask_worker: Any = None) -> list[int]:
     but its spare's (the ranks running, or left behind, and everything they started)."""
     import psutil
 
-    from dask_ddp._rank import rankproc as _rankproc
+    from dask_ddp._rank import rankproc
 
-    spare = _rankproc._spare
-    groups = _rankproc.groups_alive() - {spare.process.pid if spare is not None else None}
+    spare = rankproc._spare
+    groups = rankproc.groups_alive() - {spare.process.pid if spare is not None else None}
     found = []
     for p in psutil.process_iter():
         with contextlib.suppress(ProcessLookupError, psutil.Error):

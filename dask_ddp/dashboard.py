@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._scheduler import page as _dashboard
+from ._scheduler import page
 from ._scheduler import plugin as _plugin
 from ._shared import view
 
@@ -49,7 +49,7 @@ def _panel_html(scheduler: Any, base: str) -> str:
         return "dask-ddp's plugin is not installed on this scheduler."
     jobs = list(reversed(plugin.jobs.values()))
     shown = next((j for j in jobs if j.state.value == "running"), jobs[0] if jobs else None)
-    html = _dashboard.list_html(plugin, base)
+    html = page.list_html(plugin, base)
     return html + (view.render_html(shown.summary()) if shown is not None else "")
 
 

@@ -98,18 +98,18 @@ def slow_publish(monkeypatch: pytest.MonkeyPatch) -> float:
     """The supervisor publishes each attempt's futures this many seconds late (it runs in
     this process: a LocalCluster's scheduler does), so that a short job ends before they
     are published."""
-    from dask_ddp._scheduler import launcher as _launcher
+    from dask_ddp._scheduler import launcher
 
     delay = 2.0
-    publish = _launcher.Launcher.publish
+    publish = launcher.Launcher.publish
 
-    async def later(self: _launcher.Launcher, attempt: _launcher.Attempt) -> None:
+    async def later(self: launcher.Launcher, attempt: launcher.Attempt) -> None:
         import asyncio
 
         await asyncio.sleep(delay)
         await publish(self, attempt)
 
-    monkeypatch.setattr(_launcher.Launcher, "publish", later)
+    monkeypatch.setattr(launcher.Launcher, "publish", later)
     return delay
 
 

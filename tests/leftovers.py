@@ -59,10 +59,10 @@ def leftovers(client: Client) -> list[str]:
 
 
 def clean_up(client: Client) -> None:
-    from dask_ddp._client import calls as _cluster
+    from dask_ddp._client import calls
 
     for job_id, _, _ in client.run_on_scheduler(_held_and_running)["jobs"]:
         with contextlib.suppress(Exception):
-            _cluster.cancel_job(client, job_id, "left running by a test")
+            calls.cancel_job(client, job_id, "left running by a test")
     if leftovers(client):
         client.restart(wait_for_workers=True)

@@ -219,16 +219,16 @@ def _unannounced(directory: str, go: str) -> dict:
     ``go``), it is killed. The next attempt reports where its state came from."""
     from distributed import Event
 
-    from dask_ddp._rank import saving as _saving
-    from dask_ddp._shared import protocol as _protocol
+    from dask_ddp._rank import saving
+    from dask_ddp._shared import protocol
 
     ctx = dask_ddp.get_context()
     state = dask_ddp.get_checkpoint()
     if ctx.attempt == 0:
         if ctx.rank == 0:  # the patch dies with this worker
-            say = _saving.Saver._say
-            _saving.Saver._say = lambda self, kind, body: (
-                None if kind == _protocol.REPLICA else say(self, kind, body)
+            say = saving.Saver._say
+            saving.Saver._say = lambda self, kind, body: (
+                None if kind == protocol.REPLICA else say(self, kind, body)
             )
         pending = dask_ddp.save_checkpoint({"w": torch.arange(1000.0), "step": 3}, step=3)
         if pending is not None:

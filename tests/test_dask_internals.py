@@ -16,10 +16,9 @@ from distributed import Client
 from distributed.utils_test import poll_for
 
 import dask_ddp
-from dask_ddp._client import topics as _topics
-from dask_ddp._rank import replicas as _replicas
-from dask_ddp._shared import dask_internals as _dask_internals
-from dask_ddp._shared import protocol as _protocol
+from dask_ddp._client import topics
+from dask_ddp._rank import replicas
+from dask_ddp._shared import dask_internals, protocol
 
 
 # --- used by dask_ddp._rank.channel and dask_ddp._rank.replicas ---
@@ -29,15 +28,15 @@ async def _echo(text: str = "") -> str:
 
 def _serve_echo(add: bool, dask_worker=None) -> str:
     if add:
-        _dask_internals.add_worker_handler(dask_worker, "dask_ddp_test_echo", _echo)
+        dask_internals.add_worker_handler(dask_worker, "dask_ddp_test_echo", _echo)
     else:
-        _dask_internals.remove_worker_handler(dask_worker, "dask_ddp_test_echo")
-        _dask_internals.remove_worker_handler(dask_worker, "dask_ddp_test_echo")  # no error
+        dask_internals.remove_worker_handler(dask_worker, "dask_ddp_test_echo")
+        dask_internals.remove_worker_handler(dask_worker, "dask_ddp_test_echo")  # no error
     return dask_worker.address
 
 
 async def _call_echo(client: Client, worker: str) -> str:
-    return await _dask_internals.call_worker(client, worker, "dask_ddp_test_echo", text="hi")
+    return await dask_internals.call_worker(client, worker, "dask_ddp_test_echo", text="hi")
 
 
 def test_a_worker_handler_is_served_and_removed(client: Client) -> None:
@@ -54,7 +53,7 @@ def _serves(name: str, dask_worker=None) -> bool:
 def _call_peer_echo(peer: str) -> str:
     # From a task's thread on this worker (as a rank's thread calls it), to another worker.
     worker = distributed.get_worker()
-    return _dask_internals.call_peer(worker, peer, "dask_ddp_test_echo", 10, text="hey")
+    return dask_internals.call_peer(worker, peer, "dask_ddp_test_echo", 10, text="hey")
 
 
 def test_call_peer_calls_another_worker_s_handler_from_a_task(client: Client) -> None:
@@ -75,7 +74,7 @@ def _call_peer_each(peer: str, stop_at: int | None) -> tuple[bool, list[tuple[in
         return index != stop_at
 
     calls = [{"text": f"piece {i}"} for i in range(9)]
-    done = _dask_internals.call_peer_each(
+    done = dask_internals.call_peer_each(
         worker, peer, "dask_ddp_test_echo", 10, calls, on_reply, window=3
     )
     return done, got
@@ -101,8 +100,8 @@ def test_call_peer_each_hands_over_every_answer_with_its_index_and_stops_when_to
 
 def test_the_blob_handler_plugin_serves_every_worker(client: Client) -> None:
     dask_ddp.jobs(client)  # dask-ddp's scheduler plugin is installed: it registers it
-    assert set(client.run(_serves, _protocol.BLOB_HANDLER).values()) == {True}
-    assert set(client.run(_serves, _replicas._HANDLER).values()) == {True}
+    assert set(client.run(_serves, protocol.BLOB_HANDLER).values()) == {True}
+    assert set(client.run(_serves, replicas._HANDLER).values()) == {True}
 
 
 def _topic_names(dask_scheduler=None) -> list[str]:
@@ -127,9 +126,9 @@ def test_drop_topic_forgets_a_finished_topic_and_its_events(client: Client) -> N
     client.subscribe_topic("dask-ddp-test-done", lambda event: None)
     _wait_subscribed(client, "dask-ddp-test-done", client.id)
     assert "dask-ddp-test-done" in client.run_on_scheduler(_topic_names)
-    assert client.sync(_dask_internals.topic_history, client, "dask-ddp-test-done")
+    assert client.sync(dask_internals.topic_history, client, "dask-ddp-test-done")
 
-    dropped = client.run_on_scheduler(_dask_internals.drop_topic, "dask-ddp-test-done", client.id)
+    dropped = client.run_on_scheduler(dask_internals.drop_topic, "dask-ddp-test-done", client.id)
     assert dropped is True
     assert "dask-ddp-test-done" not in client.run_on_scheduler(_topic_names)
     assert client.get_events("dask-ddp-test-done") == ()
@@ -137,7 +136,7 @@ def test_drop_topic_forgets_a_finished_topic_and_its_events(client: Client) -> N
     client.log_event("dask-ddp-test-forgotten", {"n": 1})
     client.subscribe_topic("dask-ddp-test-forgotten", lambda event: None)
     _wait_subscribed(client, "dask-ddp-test-forgotten", client.id)
-    assert client.run_on_scheduler(_dask_internals.drop_topic, "dask-ddp-test-forgotten", None)
+    assert client.run_on_scheduler(dask_internals.drop_topic, "dask-ddp-test-forgotten", None)
     assert "dask-ddp-test-forgotten" not in client.run_on_scheduler(_topic_names)
 
 
@@ -147,18 +146,18 @@ def test_drop_topic_keeps_a_topic_another_client_follows(client: Client) -> None
         client.log_event("dask-ddp-test-shared", {"n": 1})
         _wait_subscribed(client, "dask-ddp-test-shared", other.id)
         dropped = client.run_on_scheduler(
-            _dask_internals.drop_topic, "dask-ddp-test-shared", client.id
+            dask_internals.drop_topic, "dask-ddp-test-shared", client.id
         )
         assert dropped is False
         assert "dask-ddp-test-shared" in client.run_on_scheduler(_topic_names)
-    assert client.run_on_scheduler(_dask_internals.drop_topic, "no-such-topic", client.id) is False
+    assert client.run_on_scheduler(dask_internals.drop_topic, "no-such-topic", client.id) is False
 
 
 # --- used by dask_ddp.data ---
 def _read_here(keys: list[str]) -> dict:
     from distributed import get_worker
 
-    return _dask_internals.read_worker_data(get_worker(), keys)
+    return dask_internals.read_worker_data(get_worker(), keys)
 
 
 def test_read_worker_data_reads_this_workers_memory(client: Client) -> None:
@@ -172,12 +171,12 @@ def test_read_worker_data_reads_this_workers_memory(client: Client) -> None:
 
 def test_task_states_and_desire_keys(client: Client, cluster: distributed.LocalCluster) -> None:
     [held] = client.scatter([41])
-    assert _dask_internals.task_states(client, [held.key, "no-such-key"]) == {
+    assert dask_internals.task_states(client, [held.key, "no-such-key"]) == {
         held.key: "memory",
         "no-such-key": None,
     }
     with Client(cluster) as other:  # a second client, as a rank's, knows only the key
-        _dask_internals.desire_keys(other, [held.key])
+        dask_internals.desire_keys(other, [held.key])
         future = distributed.Future(held.key, other)
         assert future.result(timeout=30) == 41
         future.release()
@@ -186,8 +185,8 @@ def test_task_states_and_desire_keys(client: Client, cluster: distributed.LocalC
 def test_our_subscription_keeps_the_users_handler_on_the_same_topic(client: Client) -> None:
     seen: list[str] = []
     client.subscribe_topic("users-topic", lambda ev: seen.append(f"user {ev[1]}"))
-    assert _dask_internals.topic_handler(client, "users-topic") is not None
-    stop = _topics.follow(client, "users-topic", lambda ev: seen.append(f"ours {ev[1]}"))
+    assert dask_internals.topic_handler(client, "users-topic") is not None
+    stop = topics.follow(client, "users-topic", lambda ev: seen.append(f"ours {ev[1]}"))
 
     def seen_after_logging(*expected: str) -> bool:
         # Client.log_event travels apart from the subscription: log until it got there.
@@ -203,7 +202,7 @@ def test_our_subscription_keeps_the_users_handler_on_the_same_topic(client: Clie
 
 # --- used by dask_ddp._scheduler.page ---
 def test_http_prefix_and_removing_an_application(client: Client) -> None:
-    assert client.run_on_scheduler(lambda dask_scheduler: _dask_internals.http_prefix(
+    assert client.run_on_scheduler(lambda dask_scheduler: dask_internals.http_prefix(
         dask_scheduler)) == "/"  # fmt: skip
 
     def add_and_remove(dask_scheduler=None) -> tuple[bool, bool]:
@@ -213,8 +212,8 @@ def test_http_prefix_and_removing_an_application(client: Client) -> None:
         app = web.Application([("/dask-ddp-test", web.RedirectHandler, {"url": "/"})])
         http.add_application(app)
         added = app in http.applications
-        _dask_internals.remove_http_application(http, app)
-        _dask_internals.remove_http_application(http, app)  # twice: no error
+        dask_internals.remove_http_application(http, app)
+        dask_internals.remove_http_application(http, app)  # twice: no error
         return added, app in http.applications
 
     assert client.run_on_scheduler(add_and_remove) == (True, False)
@@ -231,7 +230,7 @@ def _fail_it(dask_scheduler=None) -> bool:
     import pickle
 
     error = dask_ddp.WorkerLostError(0, "tcp://10.0.0.9:1", "dask-ddp-test-pinned")
-    return _dask_internals.fail_task(dask_scheduler, "dask-ddp-test-pinned", pickle.dumps(error))
+    return dask_internals.fail_task(dask_scheduler, "dask-ddp-test-pinned", pickle.dumps(error))
 
 
 def test_fail_task_fails_a_task_without_a_worker(client: Client) -> None:
@@ -246,7 +245,7 @@ def test_fail_task_fails_a_task_without_a_worker(client: Client) -> None:
 
 
 def _published_client(name: str, drop: bool, dask_scheduler=None) -> tuple[bool, bool]:
-    dropped = _dask_internals.drop_published_client(dask_scheduler, name) if drop else False
+    dropped = dask_internals.drop_published_client(dask_scheduler, name) if drop else False
     return dropped, f"published-{name}" in dask_scheduler.clients
 
 
@@ -261,8 +260,8 @@ def test_drop_published_client_forgets_what_unpublishing_leaves(client: Client) 
 
 
 def test_the_scheduler_s_longest_tick(client: Client) -> None:
-    client.run_on_scheduler(_dask_internals.reset_max_tick)
-    assert client.run_on_scheduler(_dask_internals.max_tick_seconds) >= 0
+    client.run_on_scheduler(dask_internals.reset_max_tick)
+    assert client.run_on_scheduler(dask_internals.max_tick_seconds) >= 0
 
 
 def test_is_adaptive(client: Client) -> None:
@@ -270,10 +269,10 @@ def test_is_adaptive(client: Client) -> None:
         distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as c,
         Client(c) as other,
     ):
-        assert not _dask_internals.is_adaptive(other)
+        assert not dask_internals.is_adaptive(other)
         c.adapt(minimum=0, maximum=1)
-        assert _dask_internals.is_adaptive(other)
-    assert not _dask_internals.is_adaptive(Client.__new__(Client))  # no cluster object
+        assert dask_internals.is_adaptive(other)
+    assert not dask_internals.is_adaptive(Client.__new__(Client))  # no cluster object
 
 
 # --- used by dask_ddp._scheduler.plugin and dask_ddp._client.calls: the plugin's handlers, by name
@@ -281,19 +280,19 @@ def _serve_scheduler_echo(dask_scheduler=None) -> None:
     async def echo(spec: object = None, text: str = "") -> dict:
         return {"spec": repr(spec), "text": text.upper()}
 
-    _dask_internals.add_scheduler_handler(dask_scheduler, "dask_ddp_test_echo", echo)
+    dask_internals.add_scheduler_handler(dask_scheduler, "dask_ddp_test_echo", echo)
 
 
 def _unserve_scheduler_echo(dask_scheduler=None) -> None:
-    _dask_internals.remove_scheduler_handler(dask_scheduler, "dask_ddp_test_echo")
+    dask_internals.remove_scheduler_handler(dask_scheduler, "dask_ddp_test_echo")
 
 
 def test_a_scheduler_handler_called_by_name(client: Client) -> None:
     client.run_on_scheduler(_serve_scheduler_echo)
     try:
         spec = dask_ddp.JobState.RUNNING  # any object: it travels pickled
-        answer = _dask_internals.call_scheduler(
-            client, "dask_ddp_test_echo", spec=_dask_internals.pickled(spec), text="hi"
+        answer = dask_internals.call_scheduler(
+            client, "dask_ddp_test_echo", spec=dask_internals.pickled(spec), text="hi"
         )
         assert answer == {"spec": repr(spec), "text": "HI"}
     finally:
@@ -306,7 +305,7 @@ def test_kill_worker_processes_restarts_them_under_their_names(own_cluster) -> N
         client.wait_for_workers(2, timeout="60s")
         before = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         victim = sorted(before)[0]
-        answers = client.sync(_dask_internals.kill_worker_processes, client, [victim])
+        answers = client.sync(dask_internals.kill_worker_processes, client, [victim])
         assert isinstance(answers[victim], int)  # the old process's pid
 
         def back() -> bool:
@@ -330,7 +329,7 @@ def test_submit_pinned_runs_each_call_on_its_worker_in_one_graph(client: Client)
         (f"pinned-{uuid.uuid4().hex}", worker, _where, (i,))
         for i, worker in enumerate(list(reversed(workers)) * 2)
     ]
-    futures = _dask_internals.submit_pinned(client, calls)
+    futures = dask_internals.submit_pinned(client, calls)
     assert [f.key for f in futures] == [key for key, *_ in calls]
     assert client.gather(futures) == [(i, worker) for _, worker, _, (i,) in calls]
     graphs = [

@@ -53,13 +53,13 @@ async def _worker_state() -> dict:
     import asyncio
     import multiprocessing
 
-    from dask_ddp._rank import rankproc as _rankproc
+    from dask_ddp._rank import rankproc
     from dask_ddp._rank.slot import PROCESS
 
     def daemon() -> bool:
         # A spare rank process's fork lifts the worker's daemon flag while it runs, under
         # this lock (the next spare is forked just after a rank's process has gone).
-        with _rankproc._refill_lock:
+        with rankproc._refill_lock:
             return multiprocessing.current_process().daemon
 
     # The last rank's teardown ends just after its task (the worker's loop runs meanwhile).

@@ -8,8 +8,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_ddp
-from dask_ddp._shared import tracebacks as _traceback
-from dask_ddp._shared import view
+from dask_ddp._shared import tracebacks, view
 
 
 def _fail_on_rank_1() -> None:
@@ -66,7 +65,7 @@ def test_a_notebook_cell_s_function_is_named_as_ipython_names_it():
     try:
         shell.run_cell("def train():\n    x = 1\n    raise ValueError(x)\n")
         fn = shell.user_ns["train"]
-        placed = _traceback.Sources(fn).place("train", fn.__code__.co_firstlineno + 2)
+        placed = tracebacks.Sources(fn).place("train", fn.__code__.co_firstlineno + 2)
         filename, shown, first = placed
         assert filename == fn.__code__.co_filename
         assert shown.startswith("Cell In[") and first == fn.__code__.co_firstlineno

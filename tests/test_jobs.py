@@ -25,7 +25,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_ddp
-from dask_ddp._shared import dask_internals as _dask_internals
+from dask_ddp._shared import dask_internals
 
 # The training function, as the killed client's script defines it (so it is sent by value,
 # as a notebook's function is) and as the tests define it for an uninterrupted reference.
@@ -258,7 +258,7 @@ def _failing_once(tag: int) -> int:
 def test_the_scheduler_s_loop_never_blocks_while_jobs_start_run_and_restart(
     client: Client,
 ) -> None:
-    client.run_on_scheduler(_dask_internals.reset_max_tick)
+    client.run_on_scheduler(dask_internals.reset_max_tick)
     jobs = [
         dask_ddp.launch(client, _failing_once, args=(i,), workers=1, max_restarts=1)
         for i in range(8)
@@ -266,7 +266,7 @@ def test_the_scheduler_s_loop_never_blocks_while_jobs_start_run_and_restart(
     assert [job.result(timeout=240) for job in jobs] == [[i] for i in range(8)]
     assert all(job.attempts == 2 for job in jobs)
     # How long the loop's ticks were is for benchmarks/control_plane.py; here: it was read.
-    assert client.run_on_scheduler(_dask_internals.max_tick_seconds) >= 0
+    assert client.run_on_scheduler(dask_internals.max_tick_seconds) >= 0
 
 
 def _hold_for(seconds: float) -> int:

@@ -17,7 +17,7 @@ from distributed.utils_test import poll_for
 import dask_ddp
 from dask_ddp._client.model import JobModel
 from dask_ddp._client.reader import EventReader
-from dask_ddp._shared import protocol as _protocol
+from dask_ddp._shared import protocol
 from dask_ddp._shared.view import WidgetView, progress_line, render_html
 
 
@@ -235,7 +235,7 @@ def _following(client: Client, job_id: str) -> tuple[JobModel, EventReader]:
     reader = EventReader(client, model)
     reader.follow()
     reader.start()
-    topic = _protocol.job_topic(job_id)
+    topic = protocol.job_topic(job_id)
     poll_for(lambda: client.id in client.run_on_scheduler(_subscribers, topic), timeout=30)
     return model, reader
 
@@ -249,11 +249,11 @@ def test_missing_events_are_filled_from_the_scheduler(
     client: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
     job_id = uuid.uuid4().hex[:12]
-    topic = _protocol.job_topic(job_id)
+    topic = protocol.job_topic(job_id)
 
     def event(seq: int, steps: range) -> dict:
-        msgs = [[_protocol.METRICS, [s, time.time(), {"s": s}]] for s in steps]
-        return _protocol.encode(job_id, 0, seq, msgs)
+        msgs = [[protocol.METRICS, [s, time.time(), {"s": s}]] for s in steps]
+        return protocol.encode(job_id, 0, seq, msgs)
 
     # Events 0 and 1 reached the scheduler before this client followed the job.
     client.log_event(topic, event(0, range(0, 2)))
@@ -271,7 +271,7 @@ def test_missing_events_are_filled_from_the_scheduler(
         assert [r.step for r in model.metrics][-1] == 9
         assert "3 messages from rank 0 were lost" in caplog.text
         assert model.notes == ["rank 0: 3 messages lost on the way"]
-        client.log_event(topic, _protocol.encode("another-job", 0, 10, [["m", [10, 0.0, {}]]]))
+        client.log_event(topic, protocol.encode("another-job", 0, 10, [["m", [10, 0.0, {}]]]))
         client.log_event(topic, _state(job_id, 1, "succeeded", [], stopped=True))
         _until(model, lambda: model.closed)
         assert len(model.metrics) == 7 and model.state is dask_ddp.JobState.SUCCEEDED
@@ -282,17 +282,17 @@ def test_missing_events_are_filled_from_the_scheduler(
 def test_status_messages_in_the_channel_reach_the_view(client: Client) -> None:
     worker = next(iter(client.scheduler_info(n_workers=-1)["workers"]))
     job_id = uuid.uuid4().hex[:12]
-    topic = _protocol.job_topic(job_id)
+    topic = protocol.job_topic(job_id)
     model, reader = _following(client, job_id)
     try:
         now = time.time()
         client.log_event(topic, _state(job_id, 1, "running", [worker]))
         client.log_event(
-            topic, _protocol.encode(job_id, 0, 0, [[_protocol.STATUS, ["joining", "1 of 2", now]]])
+            topic, protocol.encode(job_id, 0, 0, [[protocol.STATUS, ["joining", "1 of 2", now]]])
         )
         _until(model, lambda: model.progress.changes == 1)
         client.log_event(
-            topic, _protocol.encode(job_id, 0, 1, [[_protocol.STATUS, [None, "listing", now]]])
+            topic, protocol.encode(job_id, 0, 1, [[protocol.STATUS, [None, "listing", now]]])
         )
         _until(model, lambda: model.progress.changes == 2)
         rank = model.snapshot()["ranks"][0]
@@ -443,7 +443,7 @@ def _spaced_reports(n: int, gap: float) -> int:
 
 def _events_per_rank(client: Client, job: dask_ddp.Job) -> list[int]:
     counts = [0, 0]
-    for _, msg in client.get_events(_protocol.job_topic(job.job_id)):
+    for _, msg in client.get_events(protocol.job_topic(job.job_id)):
         if isinstance(msg.get("rank"), int):  # not the supervisor's own messages
             counts[msg["rank"]] += 1
     return counts
@@ -468,8 +468,8 @@ def test_job_event_rate_bounds_a_large_job_s_flush_interval() -> None:
 
     assert config.resolve().job_event_rate == 2000
     # Up to 400 ranks the interval is ddp.event-flush-interval; beyond, N / rate.
-    assert _protocol.flush_interval(400, 0.2, 2000) == 0.2
-    assert _protocol.flush_interval(4000, 0.2, 2000) == 2.0
+    assert protocol.flush_interval(400, 0.2, 2000) == 0.2
+    assert protocol.flush_interval(4000, 0.2, 2000) == 2.0
     with (
         dask.config.set({"ddp.job-event-rate": 0}),
         pytest.raises(ValueError, match="job-event-rate must be a positive number"),

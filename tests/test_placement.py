@@ -244,7 +244,7 @@ def test_ranks_that_would_share_a_gpu_get_gloo_or_a_clear_error() -> None:
 def test_a_rank_follows_the_list_its_process_s_cuda_started_under(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dask_ddp._rank import cuda as _cuda
+    from dask_ddp._rank import cuda
 
     workers = [
         WorkerInfo("tcp://h:1", "h", 4, "0,1,2,3"),
@@ -253,16 +253,16 @@ def test_a_rank_follows_the_list_its_process_s_cuda_started_under(
     second = plan_ranks(workers)[1]
     assert (second.gpu, second.device_index, second.cuda_visible_devices) == ("2", 1, "0,2,1,3")
     # CUDA not started yet: the rank's own list takes effect, and cuda:LOCAL_RANK is its GPU.
-    monkeypatch.setattr(_cuda, "_started_under", [])
-    assert str(_cuda.rank_device(second, "job")) == "cuda:1"
+    monkeypatch.setattr(cuda, "_started_under", [])
+    assert str(cuda.rank_device(second, "job")) == "cuda:1"
     # Its worker's CUDA started before (under dask-cuda's list): the GPU is found there,
     # with a warning that cuda:LOCAL_RANK is another GPU in this process.
-    monkeypatch.setattr(_cuda, "_started_under", ["2,3,0,1"])
+    monkeypatch.setattr(cuda, "_started_under", ["2,3,0,1"])
     with caplog.at_level("WARNING", logger="dask_ddp._rank.cuda"):
-        assert str(_cuda.rank_device(second, "job")) == "cuda:0"
+        assert str(cuda.rank_device(second, "job")) == "cuda:0"
     assert "not cuda:1 as planned (LOCAL_RANK is 1)" in caplog.text
-    monkeypatch.setattr(_cuda, "_started_under", ["0,1"])  # a list without its GPU
+    monkeypatch.setattr(cuda, "_started_under", ["0,1"])  # a list without its GPU
     with pytest.raises(PlacementError, match=r"GPU 2 is not visible .*\(client.restart\(\)\)"):
-        _cuda.rank_device(second, "job")
+        cuda.rank_device(second, "job")
     no_gpu = plan_ranks([WorkerInfo("tcp://h:1", "h")])[0]
-    assert str(_cuda.rank_device(no_gpu, "job")) == "cpu"
+    assert str(cuda.rank_device(no_gpu, "job")) == "cpu"

@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 import torch.distributed as dist
 
-from dask_ddp._rank import process as _process
+from dask_ddp._rank import process
 
 
 def _grandchild() -> None:
@@ -15,7 +15,7 @@ def _grandchild() -> None:
 
 
 def _daemonic(allowed: bool, results: multiprocessing.Queue) -> None:
-    with _process.children_allowed(allowed):
+    with process.children_allowed(allowed):
         try:
             child = multiprocessing.get_context("fork").Process(target=_grandchild)
             child.start()
@@ -49,12 +49,12 @@ def test_children_allowed_lifts_the_daemon_flag_for_the_block(allowed: bool) -> 
     ],
 )
 def test_is_peer_loss(exc: BaseException, lost: bool) -> None:
-    assert _process.is_peer_loss(exc) is lost
+    assert process.is_peer_loss(exc) is lost
 
 
 def _start_methods(results) -> None:
     before = multiprocessing.get_start_method()
-    with _process.platform_start_method():
+    with process.platform_start_method():
         inside = multiprocessing.get_start_method()
     results.put((before, inside, multiprocessing.get_start_method()))
 

@@ -301,10 +301,10 @@ def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
     import multiprocessing
     import queue
 
-    from dask_ddp._rank import rankproc as _rankproc
+    from dask_ddp._rank import rankproc
 
     task_end, rank_end = multiprocessing.Pipe(duplex=True)
-    link = _rankproc.RankLink(rank_end, _rankproc._ThreadAhead(), [])
+    link = rankproc.RankLink(rank_end, rankproc._ThreadAhead(), [])
     with pytest.raises(queue.Empty):
         link.next_go(0.05)
     task_end.send(("go", b"payload"))
@@ -319,10 +319,10 @@ def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
 def test_a_spare_stopped_or_let_go_before_its_go_just_returns(first: str) -> None:
     import multiprocessing
 
-    from dask_ddp._rank import rankproc as _rankproc
+    from dask_ddp._rank import rankproc
 
     task_end, rank_end = multiprocessing.Pipe(duplex=True)
-    link = _rankproc.RankLink(rank_end, _rankproc._ThreadAhead(), [])
+    link = rankproc.RankLink(rank_end, rankproc._ThreadAhead(), [])
     if first == "stop":
         task_end.send(("stop", "cancelled while it started", None))
     else:
@@ -549,10 +549,10 @@ def _use_a_held_store() -> dict[str, Any]:
 
     import psutil
 
-    from dask_ddp._rank import storehost as _storehost
+    from dask_ddp._rank import storehost
 
     worker = distributed.get_worker()
-    store = _storehost.open_store(worker, worker.ip, 30)
+    store = storehost.open_store(worker, worker.ip, 30)
     store.set_timeout(timedelta(seconds=0.2))
     out: dict[str, Any] = {"port": store.port}
     out["set"] = store.compare_set("dask-ddp/joined-ready", "", b"aborted")
@@ -562,7 +562,7 @@ def _use_a_held_store() -> dict[str, Any]:
         store.get("nothing")  # waits out the store's timeout
     except Exception as exc:
         out["error"] = (type(exc).__module__, type(exc).__name__)
-    host = _storehost._host.process.pid
+    host = storehost._host.process.pid
 
     def listening() -> bool:
         return any(
@@ -572,7 +572,7 @@ def _use_a_held_store() -> dict[str, Any]:
 
     out["listened"] = listening()
     del store  # let go: closed in its host (as a TCPStore is when let go)
-    _storehost.open_store(worker, worker.ip, 30).close()  # a call after: the close went
+    storehost.open_store(worker, worker.ip, 30).close()  # a call after: the close went
     deadline = time.monotonic() + 10
     while listening() and time.monotonic() < deadline:  # torch stops its server's loop
         time.sleep(0.05)

@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dask_ddp
 from dask_ddp import dispatch
-from dask_ddp._client import reader as _reader
+from dask_ddp._client import reader
 from dask_ddp._rank import channel as events
-from dask_ddp._shared import protocol as _protocol
+from dask_ddp._shared import protocol
 from dask_ddp.results import DaskResultsHandler, _safe_target
 
 # As in the predecessor's README: a handler created on the client and captured by the
@@ -267,7 +267,7 @@ def test_errors_pickle() -> None:
 
 
 def _hold_payload(job_id: str, dask_worker=None) -> str:
-    events.hold_blob(f"{job_id}/0/0", [_protocol.RESULT, ["k", "x.bin", b"x" * 10]])
+    events.hold_blob(f"{job_id}/0/0", [protocol.RESULT, ["k", "x.bin", b"x" * 10]])
     return dask_worker.address
 
 
@@ -283,10 +283,10 @@ def test_payloads_are_released_on_delivery_or_when_the_job_is_forgotten(client: 
     worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
     client.run(_hold_payload, "job-a", workers=[worker])
     ref = {"worker": worker, "key": "job-a/0/0", "nbytes": 10}
-    fetched = client.sync(_reader.fetch_blob, client, ref)
-    assert fetched == [[_protocol.RESULT, ["k", "x.bin", b"x" * 10]]]
+    fetched = client.sync(reader.fetch_blob, client, ref)
+    assert fetched == [[protocol.RESULT, ["k", "x.bin", b"x" * 10]]]
     with pytest.raises(dask_ddp.errors.ChannelError, match="no longer holds"):
-        client.sync(_reader.fetch_blob, client, ref)  # handed over once, then forgotten
+        client.sync(reader.fetch_blob, client, ref)  # handed over once, then forgotten
     client.run(_hold_payload, "job-b", workers=[worker])
     assert client.run(events.drop_held, "job-b", workers=[worker]) == {worker: 1}
     assert client.run(_blobs_held, workers=[worker]) == {worker: 0}

@@ -16,9 +16,9 @@ from distributed.utils_test import poll_for
 
 import dask_ddp
 from dask_ddp._rank import channel as events
-from dask_ddp._rank import status as _status
+from dask_ddp._rank import status
 from dask_ddp._rank.slot import PROCESS, RankRun
-from dask_ddp._shared import protocol as _protocol
+from dask_ddp._shared import protocol
 from dask_ddp._shared.view import progress_line, render_html
 
 _FILLED = "2 files in the cache"
@@ -30,9 +30,9 @@ def _hold(name: str) -> str:
 
 
 def _busy_then(name: str) -> int:
-    _status.activity("warming up the model")
+    status.activity("warming up the model")
     with tempfile.TemporaryDirectory() as cache:
-        stop = _status.follow(cache, lambda: f"{len(os.listdir(cache))} files in the cache")
+        stop = status.follow(cache, lambda: f"{len(os.listdir(cache))} files in the cache")
         for i in range(2):  # each change wakes the follower; the last text says 2
             with open(os.path.join(cache, f"f{i}"), "w") as f:
                 f.write("x")
@@ -93,9 +93,9 @@ def test_watch_prints_phases_and_activity(client: Client) -> None:
 
 def test_status_calls_outside_a_rank_only_log(caplog) -> None:
     with caplog.at_level("INFO", logger="dask_ddp._rank.status"):
-        _status.activity("listing s3://bucket/train")
-        _status.phase(_status.RUNNING)
-        _status.follow(".", lambda: "never said")()
+        status.activity("listing s3://bucket/train")
+        status.phase(status.RUNNING)
+        status.follow(".", lambda: "never said")()
     assert "listing s3://bucket/train" in caplog.text
 
 
@@ -122,7 +122,7 @@ def test_follow_says_the_text_when_the_path_changes(tmp_path) -> None:
     assert PROCESS.claim(run, timeout=1)
     target = tmp_path / "fill-log"  # does not exist yet: followed from its creation
     try:
-        stop = _status.follow(str(target), lambda: f"{target.stat().st_size} bytes")
+        stop = status.follow(str(target), lambda: f"{target.stat().st_size} bytes")
         target.write_bytes(b"x")
         assert said.wait_for("1 bytes")
         with target.open("ab") as f:
@@ -140,7 +140,7 @@ def test_follow_ends_with_the_run(tmp_path) -> None:
     said = _Said()
     run = RankRun("job", "key", 0, channel=said)  # type: ignore[arg-type]
     assert PROCESS.claim(run, timeout=1)
-    _status.follow(str(tmp_path), lambda: f"{len(list(tmp_path.iterdir()))} files")
+    status.follow(str(tmp_path), lambda: f"{len(list(tmp_path.iterdir()))} files")
     assert said.wait_for("0 files")
     PROCESS.release(run)  # ends the follower without its stop being called
     (tmp_path / "a").write_text("x")
@@ -171,24 +171,24 @@ def test_a_status_alone_waits_for_company_and_a_newer_one_replaces_an_unsent_one
     channel = events.RankChannel(
         sink, "3f2a", 0, interval=60, idle_interval=0.5, max_event_bytes=65536
     )
-    channel.put_status(_status.QUEUED, "waiting for job 1a2b")
-    channel.put_status(_status.JOINING, "1 of 2 joined")  # replaces it, unsent
+    channel.put_status(status.QUEUED, "waiting for job 1a2b")
+    channel.put_status(status.JOINING, "1 of 2 joined")  # replaces it, unsent
     with sink.changed:
         assert not sink.changed.wait_for(lambda: sink.logged, timeout=0.25)  # it waits ...
         assert sink.changed.wait_for(lambda: sink.logged, timeout=30)  # ... then goes alone
-    channel.put_status(_status.RUNNING, "step 0")  # waits for the interval ...
+    channel.put_status(status.RUNNING, "step 0")  # waits for the interval ...
     channel.put_status(None, "listing s3://bucket/train")  # ... and is replaced, phase kept
     channel.put_status(None, "listing s3://bucket/train")  # unchanged: not queued
-    channel.put(_protocol.METRICS, [0, 0.0, {"loss": 1.0}])
+    channel.put(protocol.METRICS, [0, 0.0, {"loss": 1.0}])
     assert channel.close() is None
-    channel.put_status(_status.RUNNING)  # after close: ignored, never raises
-    sent = [msg for event in sink.logged if "packed" in event for msg in _protocol.decode(event)]
-    statuses = [body[:2] for kind, body in sent if kind == _protocol.STATUS]
+    channel.put_status(status.RUNNING)  # after close: ignored, never raises
+    sent = [msg for event in sink.logged if "packed" in event for msg in protocol.decode(event)]
+    statuses = [body[:2] for kind, body in sent if kind == protocol.STATUS]
     assert statuses == [
-        [_status.JOINING, "1 of 2 joined"],
-        [_status.RUNNING, "listing s3://bucket/train"],
+        [status.JOINING, "1 of 2 joined"],
+        [status.RUNNING, "listing s3://bucket/train"],
     ]
-    assert [kind for kind, _ in sent] == [_protocol.STATUS, _protocol.METRICS, _protocol.STATUS]
+    assert [kind for kind, _ in sent] == [protocol.STATUS, protocol.METRICS, protocol.STATUS]
     # The final marker rides on the last batch: two events in all.
     assert len(sink.logged) == 2 and "packed" in sink.logged[-1]
     assert sink.logged[-1]["end"] == 3
@@ -202,14 +202,14 @@ def test_a_rank_reporting_a_few_times_a_second_sends_each_record_at_once() -> No
         sink, "3f2a", 0, interval=1.0, idle_interval=0.05, max_event_bytes=65536
     )
     for step in range(5):  # 5 reports a second: each goes at once, not after the interval
-        channel.put(_protocol.METRICS, [step, time.time(), {"loss": 1.0}])
+        channel.put(protocol.METRICS, [step, time.time(), {"loss": 1.0}])
         with sink.changed:
             assert sink.changed.wait_for(lambda n=step: len(sink.logged) > n, timeout=0.5)
         time.sleep(0.2)
     before = len(sink.logged)
     start = time.monotonic()
     while time.monotonic() - start < 0.5:  # every millisecond: batched, an interval apart
-        channel.put(_protocol.METRICS, [9, time.time(), {"loss": 1.0}])
+        channel.put(protocol.METRICS, [9, time.time(), {"loss": 1.0}])
         time.sleep(0.001)
     assert len(sink.logged) - before <= 3
     assert channel.close() is None
@@ -230,7 +230,7 @@ def test_a_rank_reporting_once_an_interval_sends_each_record_at_once() -> None:
         while time.monotonic() < next_at:
             pass
         next_at += interval
-        channel.put(_protocol.METRICS, [step, time.time(), {"loss": 1.0}])
+        channel.put(protocol.METRICS, [step, time.time(), {"loss": 1.0}])
         put.append(time.time())
     assert channel.close() is None
     sent = [(e["told"]["last"][0], e["told"]["last"][1]) for e in sink.logged]

@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed import Client
 
-from .._shared import dask_internals as _dask_internals
+from .._shared import dask_internals
 from .._shared.protocol import HANDLERS, Entry, acall, order_mark
 from .._shared.values import JobSpec
 from ..errors import SchedulerPluginError, from_wire
@@ -63,7 +63,7 @@ def install(client: Client) -> None:
 
 def _ask(client: Client, what: str, /, **kwargs: Any) -> dict[str, Any]:
     """Call the plugin's handler ``what``; raise the refusal it answers, if it refuses."""
-    answer = _dask_internals.call_scheduler(client, HANDLERS[what], **kwargs)
+    answer = dask_internals.call_scheduler(client, HANDLERS[what], **kwargs)
     if not isinstance(answer, dict):  # no such handler there: the plugin is not installed
         raise SchedulerPluginError(
             client.scheduler.address, f"the scheduler has no {HANDLERS[what]!r} handler"
@@ -89,7 +89,7 @@ def submit_job(client: Client, spec: JobSpec, follow: Callable[[], Any]) -> dict
     install(client)
     client.publish_dataset(None, name=order_mark(client.id), override=True)
     follow()
-    return _ask(client, "launch", spec=_dask_internals.pickled(spec))["state"]
+    return _ask(client, "launch", spec=dask_internals.pickled(spec))["state"]
 
 
 def cancel_job(client: Client, job_id: str, reason: str) -> None:

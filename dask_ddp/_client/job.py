@@ -25,11 +25,10 @@ from typing import IO, TYPE_CHECKING, Any
 from distributed import Client, Future
 
 from .. import errors
-from .._shared import tracebacks as _traceback
-from .._shared import view
+from .._shared import tracebacks, view
 from .._shared.values import CheckpointInfo, JobInfo, JobState, MetricRecord, OutputLine, Transition
 from ..errors import JobNotFoundError, RankFailedError
-from . import calls as _cluster
+from . import calls
 from .model import JobModel
 from .reader import EventReader
 
@@ -100,7 +99,7 @@ class Job:
         client: Client,
         model: JobModel,
         reader: EventReader,
-        sources: _traceback.Sources | None = None,
+        sources: tracebacks.Sources | None = None,
     ) -> None:
         self.client = client
         self.job_id = model.job_id
@@ -224,9 +223,9 @@ class Job:
             own = None
         if own is None or isinstance(own, errors.RankStoppedError):
             return error
-        own = _traceback.rebuild(own, self._sources)
+        own = tracebacks.rebuild(own, self._sources)
         rebuilt = RankFailedError(
-            error.rank, error.worker, error.key, error.cause, _traceback.user_traceback(own)
+            error.rank, error.worker, error.key, error.cause, tracebacks.user_traceback(own)
         )
         rebuilt.__cause__ = own
         return rebuilt
@@ -237,7 +236,7 @@ class Job:
         Returns once the ranks have stopped: each rank's processes get SIGTERM, then SIGKILL
         after ``ddp.failure-grace``; the workers keep running, with their data.
         """
-        _cluster.cancel_job(self.client, self.job_id, reason)
+        calls.cancel_job(self.client, self.job_id, reason)
         with self._model.cond:  # the supervisor's last message, on its way here
             self._model.cond.wait_for(lambda: self._model.closed, _CLOSE_WAIT)
 
@@ -279,7 +278,7 @@ class Job:
         JobStillRunningError
             The job has not ended: cancel it, or wait for it, first.
         """
-        _cluster.forget_job(self.client, self.job_id)
+        calls.forget_job(self.client, self.job_id)
 
     @property
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -511,7 +510,7 @@ def jobs(client: Client) -> list[JobInfo]:
             detached=row["detached"],
             error=row["error"],
         )
-        for row in _cluster.list_jobs(client)
+        for row in calls.list_jobs(client)
     ]
 
 
@@ -543,7 +542,7 @@ def attach(client: Client, job: str) -> Job:
     >>> job.history[-1].state, job.metrics[-1]      # doctest: +SKIP
     >>> job.result()                                # doctest: +SKIP
     """
-    state = _cluster.attach_job(client, job)  # the cluster sends this client its events now
+    state = calls.attach_job(client, job)  # the cluster sends this client its events now
     model = JobModel(state["job"], state["name"])
     reader = EventReader(client, model)
     reader.follow()  # what came meanwhile is in the scheduler's history, read first

@@ -22,13 +22,11 @@ import cloudpickle
 from distributed import Client, Future
 
 from .. import config
-from .._shared import dask_internals as _dask_internals
-from .._shared import script
-from .._shared import tracebacks as _traceback
+from .._shared import dask_internals, script, tracebacks
 from .._shared.values import JobSpec, MetricRecord, OutputLine
 from ..config import TimeoutLike
 from ..errors import NotPicklableError, PlacementError
-from . import calls as _cluster
+from . import calls
 from .job import Job
 from .model import JobModel
 from .reader import EventReader
@@ -353,7 +351,7 @@ def _launch(
     if isinstance(workers, (list, tuple)):
         workers = [str(w) for w in workers]
     payload = _pickled(fn, args, kwargs)
-    _cluster.install(client)
+    calls.install(client)
     job_id = uuid.uuid4().hex[:12]
     persisted = None
     if datasets:
@@ -383,14 +381,14 @@ def _launch(
         detach=detach,
         datasets=tuple(persisted.specs) if persisted is not None else (),
         datasets_name=persisted.name if persisted is not None else None,
-        adaptive=_dask_internals.is_adaptive(client) if adaptive is None else adaptive,
+        adaptive=dask_internals.is_adaptive(client) if adaptive is None else adaptive,
     )
     model = JobModel(job_id, spec.name)
     model.total_steps = total_steps
     reader = EventReader(client, model, on_report=on_report, on_output=on_output)
     try:
         # The cluster subscribes this client too, before any rank reports.
-        state = _cluster.submit_job(client, spec, reader.follow)
+        state = calls.submit_job(client, spec, reader.follow)
     except BaseException:
         reader.stop()
         if persisted is not None:
@@ -398,7 +396,7 @@ def _launch(
         raise
     model.apply_state(state)
     reader.start()
-    return Job(client, model, reader, _traceback.Sources(fn))
+    return Job(client, model, reader, tracebacks.Sources(fn))
 
 
 def launch_script(

@@ -24,10 +24,10 @@ from typing import Any
 
 from distributed import Client
 
-from .._shared import dask_internals as _dask_internals
+from .._shared import dask_internals
 from .._shared.protocol import BLOB_HANDLER, Entry, call, decode, job_topic
 from ..errors import ChannelError
-from . import topics as _topics
+from . import topics
 from .model import JobModel
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ async def fetch_blob(client: Client, ref: dict[str, Any]) -> list[list[Any]]:
     reply = None
     if _reaches_workers(client):
         try:
-            reply = await _dask_internals.call_worker(
+            reply = await dask_internals.call_worker(
                 client, ref["worker"], BLOB_HANDLER, key=ref["key"]
             )
         except OSError as exc:
@@ -198,7 +198,7 @@ class EventReader:
     def follow(self) -> None:
         """Subscribe to the job's topic; from now on no event is missed. Call it before
         the job is launched (the launching client) or attached to."""
-        self._unfollow = _topics.follow(self.client, self.topic, self._receive)
+        self._unfollow = topics.follow(self.client, self.topic, self._receive)
 
     def start(self, *, resumed: tuple[str, ...] = ()) -> None:
         """Start reading, on the client's loop; ``resumed``: the placements that began
@@ -226,7 +226,7 @@ class EventReader:
         """Take the job's events in order until the supervisor says it has stopped."""
         try:
             if history:  # what the scheduler keeps of the job's events from before
-                for _, msg in await _dask_internals.topic_history(self.client, self.topic):
+                for _, msg in await dask_internals.topic_history(self.client, self.topic):
                     if isinstance(msg, dict) and "rank" in msg:
                         await self._rank_event(msg, history=True)
             self.caught_up.set()
@@ -292,7 +292,7 @@ class EventReader:
         """Recover missed events from the scheduler's history of the topic; give up on
         what it no longer holds (it keeps the last 1000 events)."""
         try:
-            held = await _dask_internals.topic_history(self.client, self.topic)
+            held = await dask_internals.topic_history(self.client, self.topic)
         except Exception:
             logger.debug(
                 "job %s: could not read the event history", self.model.job_id, exc_info=True

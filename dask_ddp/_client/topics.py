@@ -17,7 +17,7 @@ from typing import Any
 
 from distributed import Client
 
-from .._shared import dask_internals as _dask_internals
+from .._shared import dask_internals
 
 Handler = Callable[[Any], None]
 
@@ -63,7 +63,7 @@ class _Router:
             if first:
                 # The client keeps one handler per topic: keep calling one the user set
                 # (on the scheduler's "all" topic, say), and give it back when we are done.
-                theirs = _dask_internals.topic_handler(client, topic)
+                theirs = dask_internals.topic_handler(client, topic)
                 if theirs is not None and not isinstance(theirs, _Dispatch):
                     self._theirs[topic] = theirs
                 client.subscribe_topic(topic, _Dispatch(self, topic))

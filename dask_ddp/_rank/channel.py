@@ -40,8 +40,7 @@ from typing import Any
 import msgpack
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from .._shared import dask_internals as _dask_internals
-from .._shared import preload as _preload
+from .._shared import dask_internals, preload
 from .._shared.progress import pick_curve_metric
 from .._shared.protocol import (
     BLOB_HANDLER,
@@ -73,11 +72,11 @@ class BlobHandler(WorkerPlugin):
     idempotent = True  # a second client's registration leaves the installed one alone
 
     def setup(self, worker: Any) -> None:
-        _dask_internals.add_worker_handler(worker, BLOB_HANDLER, _serve_blob)
-        _preload.quiet_rank_failures()  # the client shows a rank's failure, once
+        dask_internals.add_worker_handler(worker, BLOB_HANDLER, _serve_blob)
+        preload.quiet_rank_failures()  # the client shows a rank's failure, once
 
     def teardown(self, worker: Any) -> None:
-        _dask_internals.remove_worker_handler(worker, BLOB_HANDLER)
+        dask_internals.remove_worker_handler(worker, BLOB_HANDLER)
 
 
 # -- rank: the buffered, numbered channel ------------------------------------------------

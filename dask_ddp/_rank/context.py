@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .._shared.protocol import METRICS
 from ..errors import CheckpointDirMissingError, NotInRankError
 from . import channel as _events
-from . import checkpoint as _checkpoint
-from . import resize as _resize
+from . import checkpoint, resize
 from .slot import CheckpointSettings, RankContext, RankRun, this_slot
 
 if TYPE_CHECKING:
@@ -179,7 +178,7 @@ def _rank_channel(caller: str) -> _events.RankChannel:
 
 def save_checkpoint(
     state: Any, *, step: int, per_rank: bool = False
-) -> _checkpoint.CheckpointInfo | _checkpoint.PendingCheckpoint | None:
+) -> checkpoint.CheckpointInfo | checkpoint.PendingCheckpoint | None:
     """Save ``state`` as the job's checkpoint for ``step``, atomically, off the training path.
 
     By default (``checkpoint_mode="async"``) it returns as soon as ``state`` is copied off
@@ -256,7 +255,7 @@ def save_checkpoint(
     if per_rank or ctx.rank == 0:
         result = run.saver.save(state, step, per_rank=per_rank)
     if settings.grow_timeout is not None:
-        _resize.at_checkpoint(run, ctx.rank, step, settings.grow_timeout)
+        resize.at_checkpoint(run, ctx.rank, step, settings.grow_timeout)
     return result
 
 
@@ -311,7 +310,7 @@ def _latest_checkpoint_url() -> str | None:
     settings = _active_run("get_checkpoint").checkpointing or CheckpointSettings(None)
     if settings.directory is None:
         return None
-    found = _checkpoint.list_checkpoints(settings.directory, settings.storage_options)
+    found = checkpoint.list_checkpoints(settings.directory, settings.storage_options)
     return found[-1][1] if found else None
 
 
@@ -383,7 +382,7 @@ def _activated(
         yield ctx
         if saver is not None:
             saver.finish()
-    except _resize.GrowAtCheckpoint:
+    except resize.GrowAtCheckpoint:
         if saver is not None:
             saver.finish()
         raise

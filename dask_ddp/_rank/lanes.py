@@ -24,7 +24,7 @@ import os
 
 import dask
 
-from . import slot as _slot
+from . import slot
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ async def serve(scheduler: str, count: int, name: str, batch: int = 25) -> None:
     time, print ``ready``, and serve until every one has closed."""
     from distributed import Worker
 
-    _slot.host_lanes()
+    slot.host_lanes()
     # What a real worker imports on its first rank (the first probe), done before the
     # workers join: launches measure the control plane, not this import.
     import torch.distributed  # noqa: F401

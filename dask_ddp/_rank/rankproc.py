@@ -80,9 +80,9 @@ def warm(worker: Any) -> None:
     """(In a thread of ``worker``'s.) Start this worker's template if it is its own and not
     running, and fork a spare rank process from it: the next rank then starts without
     waiting for the template's imports (1-3 s) or for a fork (tens of milliseconds)."""
-    from . import template as _template
+    from . import template
 
-    _template.start()
+    template.start()
     _refill(worker)
 
 
@@ -99,7 +99,7 @@ def get_ready(worker: Any) -> None:
     (:func:`warm`). A failure is left to the next probe, which does both again and says
     why. (The worker's own torch import stays in the probe: torch imported by two threads
     at once can abort the process.)"""
-    from . import template as _template
+    from . import template
 
     def ready() -> None:
         try:
@@ -108,7 +108,7 @@ def get_ready(worker: Any) -> None:
             logger.debug("the rank template did not start ahead of the rank", exc_info=True)
 
     async def find_then_fork() -> None:
-        await _template.find(worker)
+        await template.find(worker)
         threading.Thread(target=ready, name="dask-ddp-ready", daemon=True).start()
 
     task = asyncio.ensure_future(find_then_fork())
@@ -287,14 +287,14 @@ def run(
     grace : float
         Seconds between a stop's SIGTERM and SIGKILL.
     """
-    from .._shared import dask_internals as _dask_internals
+    from .._shared import dask_internals
 
     spare = _take(worker)
     handle = RankProcess(spare.process, spare.conn, spare.stacks_fd, grace)
     pool = concurrent.futures.ThreadPoolExecutor(
         2,
         thread_name_prefix=f"dask-ddp-link-{spec.key}",
-        initializer=_dask_internals.act_for_worker,  # the handlers run as the rank's task
+        initializer=dask_internals.act_for_worker,  # the handlers run as the rank's task
         initargs=(worker,),
     )
     ended: tuple[Any, BaseException | None, RankOutcome] | None = None
@@ -335,11 +335,11 @@ _refill_lock = threading.Lock()  # one fork of a spare at a time
 
 def _fork() -> _Spare:
     from . import process as _process
-    from . import template as _template
+    from . import template
 
     task_end, rank_end = multiprocessing.Pipe(duplex=True)
     stacks_r, stacks_w = os.pipe()
-    process = _template.TemplateProcess(
+    process = template.TemplateProcess(
         target=_rank_main,
         args=(rank_end, _Fd(stacks_w), worker_environ()),
         name="dask-ddp-rank",
@@ -367,9 +367,9 @@ def worker_environ() -> dict[str, str]:
     """The worker's environment, for a process forked from its template, whichever process
     that belongs to (its nanny's has the nanny's: not the nanny's ``env``, nor dask-cuda's
     CUDA_VISIBLE_DEVICES)."""
-    from . import template as _template
+    from . import template
 
-    return {k: v for k, v in os.environ.items() if k != _template.TEMPLATE_MARK}
+    return {k: v for k, v in os.environ.items() if k != template.TEMPLATE_MARK}
 
 
 def fork_from_template(worker: Any, target: Callable[..., None], args: tuple, name: str) -> Any:
@@ -379,14 +379,12 @@ def fork_from_template(worker: Any, target: Callable[..., None], args: tuple, na
     template that went since it was found (its nanny's, then started again) is found again
     first."""
     from . import process as _process
-    from . import template as _template
+    from . import template
 
     helper = (target, args, worker_environ())
 
     def start() -> Any:
-        process = _template.TemplateProcess(
-            target=_helper_main, args=helper, name=name, daemon=True
-        )
+        process = template.TemplateProcess(target=_helper_main, args=helper, name=name, daemon=True)
         with _process.children_allowed(True):
             process.start()
         return process
@@ -407,16 +405,16 @@ def _helper_main(target: Callable[..., None], args: tuple, environ: dict[str, st
 def _again_if_lost(worker: Any, start: Callable[[], Any]) -> Any:
     """``start()``, and once more after finding the worker's template again if it failed
     because the template went (:func:`dask_ddp._rank.template.lost`)."""
-    from . import template as _template
+    from . import template
 
     try:
         return start()
     except OSError:
-        if not _template.lost():
+        if not template.lost():
             raise
-    from .._shared import dask_internals as _dask_internals
+    from .._shared import dask_internals
 
-    _dask_internals.on_worker_loop(worker, _template.find, worker)
+    dask_internals.on_worker_loop(worker, template.find, worker)
     return start()
 
 
@@ -1016,9 +1014,9 @@ def _rank_main(conn: Any, stacks: _Fd, environ: dict[str, str]) -> None:
     if go is None:
         return
     _, payload, spec, worker, body, turn = go
-    from .._shared import dask_internals as _dask_internals
+    from .._shared import dask_internals
 
-    _dask_internals.act_for_worker(worker)
+    dask_internals.act_for_worker(worker)
     link.begin(spec.placement.rank, spec.run_id)
     worker.link = link
     value: Any = None

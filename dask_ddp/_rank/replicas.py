@@ -29,7 +29,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from .._shared import dask_internals as _dask_internals
+from .._shared import dask_internals
 
 logger = logging.getLogger(__name__)
 
@@ -229,10 +229,10 @@ class ReplicaPlugin(WorkerPlugin):
         async def dask_ddp_replica(**kwargs: Any) -> dict[str, Any]:
             return _handle(worker, **kwargs)
 
-        _dask_internals.add_worker_handler(worker, _HANDLER, dask_ddp_replica)
+        dask_internals.add_worker_handler(worker, _HANDLER, dask_ddp_replica)
 
     def teardown(self, worker: Any) -> None:
-        _dask_internals.remove_worker_handler(worker, _HANDLER)
+        dask_internals.remove_worker_handler(worker, _HANDLER)
 
 
 def drop_job(job: str, key: tuple[int, int | None] | None = None, dask_worker: Any = None) -> int:
@@ -274,7 +274,7 @@ class PeerLink:
     def _call(self, holder: str, **kwargs: Any) -> dict[str, Any]:
         if holder == self.worker.address:  # this process's own store: no connection
             return _handle(self.worker, remote=False, **kwargs)
-        return _dask_internals.call_peer(self.worker, holder, _HANDLER, self.timeout, **kwargs)
+        return dask_internals.call_peer(self.worker, holder, _HANDLER, self.timeout, **kwargs)
 
     def put(
         self,
@@ -329,7 +329,7 @@ class PeerLink:
 
         calls = [dict(key, action="get", offset=at, length=piece) for at in range(0, size, piece)]
         land(0, first)
-        complete = _dask_internals.call_peer_each(
+        complete = dask_internals.call_peer_each(
             self.worker, holder, _HANDLER, self.timeout, calls[1:],
             lambda i, reply: land(i + 1, reply),
         )  # fmt: skip

@@ -82,11 +82,11 @@ def _current(worker: Any) -> _Host:
     with _lock:
         if _host is not None and _host.alive():
             return _host
-        from . import rankproc as _rankproc
+        from . import rankproc
 
         ours, theirs = multiprocessing.Pipe(duplex=True)
         try:
-            process = _rankproc.fork_from_template(worker, _host_main, (theirs,), "dask-ddp-stores")
+            process = rankproc.fork_from_template(worker, _host_main, (theirs,), "dask-ddp-stores")
         finally:
             theirs.close()
         _host = _Host(process, ours)

@@ -34,7 +34,7 @@ from typing import Any
 
 import cloudpickle
 
-from .._shared import tracebacks as _traceback
+from .._shared import tracebacks
 from .._shared.protocol import RankOutcome, RankSpec, Verdict
 from ..errors import (
     InfrastructureError,
@@ -44,16 +44,8 @@ from ..errors import (
     WorkerBusyError,
 )
 from . import channel as events
-from . import cuda as _cuda
-from . import malloc as _malloc
-from . import output as _output
+from . import cuda, malloc, output, replicas, resize, resume, saving, status, storehost
 from . import process as _process
-from . import replicas as _replicas
-from . import resize as _resize
-from . import resume as _resume
-from . import saving as _saving
-from . import status as _status
-from . import storehost as _storehost
 from .context import _activated
 from .slot import (
     LEFTOVER_DELAY,
@@ -120,7 +112,7 @@ def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOut
         Verdict.RETRY if retry else Verdict.FAIL,
         _class_path(error),
         f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS],
-        _traceback.plain_text(error),
+        tracebacks.plain_text(error),
     )
 
 
@@ -136,9 +128,9 @@ def _gpu_count(worker: Any, slot: ProcessSlot) -> int:
     the worker)."""
     if not _gpus:
         if slot is PROCESS:
-            from . import rankproc as _rankproc
+            from . import rankproc
 
-            _gpus.append(_rankproc.count_gpus(worker))
+            _gpus.append(rankproc.count_gpus(worker))
         else:
             import torch
 
@@ -162,8 +154,8 @@ def _worker_store(worker: Any, timeout: float, slot: ProcessSlot) -> Any:
     (:mod:`dask_ddp._rank.storehost`) when ranks run in processes of their own, so the worker
     never imports torch; in the worker itself for a lane's rank 0, a thread here."""
     if slot is PROCESS:
-        return _storehost.open_store(worker, worker.ip, timeout)
-    return _storehost.new_store(worker.ip, timeout)
+        return storehost.open_store(worker, worker.ip, timeout)
+    return storehost.new_store(worker.ip, timeout)
 
 
 class _StoreAhead:
@@ -234,12 +226,11 @@ async def probe_worker(
     # waiting. A fresh one finds its template, forks its spare and counts its GPUs in a
     # process forked from that template, in threads; the worker itself never imports torch.
     if slot is PROCESS:
-        from . import rankproc as _rankproc
-        from . import template as _template
+        from . import rankproc, template
 
-        if not _rankproc.spare_waits():
-            await _template.find(dask_worker)
-            await loop.run_in_executor(None, _rankproc.warm, dask_worker)
+        if not rankproc.spare_waits():
+            await template.find(dask_worker)
+            await loop.run_in_executor(None, rankproc.warm, dask_worker)
     gpus = _gpus[0] if _gpus else await loop.run_in_executor(None, _gpu_count, dask_worker, slot)
     port = None
     if dask_worker.address == store_worker:
@@ -266,10 +257,10 @@ class TemplatePlugin:
     lanes (:mod:`dask_ddp._rank.lanes`) runs its ranks in threads."""
 
     def setup(self, worker: Any) -> None:
-        from . import rankproc as _rankproc
+        from . import rankproc
 
         if slot_for(worker) is PROCESS:
-            _rankproc.get_ready(worker)
+            rankproc.get_ready(worker)
 
     def teardown(self, worker: Any) -> None:
         pass  # the spare ends with the worker (its pipe closes), the template with its own
@@ -340,9 +331,9 @@ def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> It
     def queued(holder: RankRun) -> None:
         # Another job's rank in this process (a worker with several threads): queue behind
         # it, as Dask queues tasks on a single-threaded worker.
-        _status.send(
+        status.send(
             run,
-            _status.QUEUED,
+            status.QUEUED,
             f"waiting for job {holder.job_id} (rank {holder.rank}) to finish on this worker",
         )
 
@@ -497,8 +488,8 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
         # that all of them go on, or all stop.
         store.compare_set(ready, "", "1")
     elif stage == "joined":
-        _status.send(
-            run, _status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)"
+        status.send(
+            run, status.JOINING, f"waiting for the other ranks ({reached} of {world} joined)"
         )
     try:
         # One round trip: a get waits for the key (within the store's timeout, the
@@ -546,7 +537,7 @@ def _release_waiters_in(store: Any) -> None:
     try:
         for stage in _STAGES:
             store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
-        _resize.release_waiters(store, _ABORTED)  # or at a checkpoint of an elastic job
+        resize.release_waiters(store, _ABORTED)  # or at a checkpoint of an elastic job
     except Exception:  # the store is gone: nobody waits on it
         logger.debug("could not release the rendezvous", exc_info=True)
 
@@ -637,10 +628,10 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
                 fn, args, kwargs = cloudpickle.loads(payload)
                 if spec.pass_local_rank:
                     kwargs = {**kwargs, "local_rank": p.local_rank}
-                peer = _replicas.PeerLink(worker, spec.job_id)
+                peer = replicas.PeerLink(worker, spec.job_id)
 
                 def memory() -> tuple[int, int]:
-                    return _replicas.process_memory(), _replicas.memory_limit(worker)
+                    return replicas.process_memory(), replicas.memory_limit(worker)
 
                 value = _run_in_slot(fn, args, kwargs, spec, run, peer, memory, slot)
     except StopRequested as exc:  # at a safe point before fn (or between its stages)
@@ -670,16 +661,16 @@ def _run_process(
 ) -> tuple[Any, BaseException | None, RankOutcome]:
     """Run the rank in a process of its own (:mod:`dask_ddp._rank.rankproc`), serving what it
     asks of this worker; rank 0's store stays here, in the worker, until the rank ends."""
-    from . import rankproc as _rankproc
+    from . import rankproc
 
     store = _take_store(spec, slot) if spec.placement.rank == 0 else None
     run.store = store
     # Rank 0's store outlives its task by a moment (its peers may still read the last
     # rendezvous word): let go with the run's leftovers.
     run.leftover = store
-    peer = _replicas.PeerLink(worker, spec.job_id)
+    peer = replicas.PeerLink(worker, spec.job_id)
 
-    def on_start(process: _rankproc.RankProcess) -> None:
+    def on_start(process: rankproc.RankProcess) -> None:
         with slot.lock:
             run.process = process
             reason, failed_rank = run.stop_reason, run.stop_failed_rank
@@ -688,17 +679,17 @@ def _run_process(
 
     handlers = {
         "grow": lambda: slot.take_grow_request(spec.run_id),
-        "memory": lambda: (_replicas.process_memory(), _replicas.memory_limit(worker)),
+        "memory": lambda: (replicas.process_memory(), replicas.memory_limit(worker)),
         "replica_put": lambda holder, writer, world, step, fraction, data: peer.put(
             holder, writer, world, step, data, fraction
         ),
-        "replica_fetch": lambda *args: _rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
+        "replica_fetch": lambda *args: rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
         "dataset_load": _load_dataset_window,
         "log_event": worker.log_event,
         "hold_blob": events.hold_blob,
     }
-    body = _rankproc.RankBody(run_in_process, outcome_of, end_process_group)
-    return _rankproc.run(
+    body = rankproc.RankBody(run_in_process, outcome_of, end_process_group)
+    return rankproc.run(
         payload, spec, worker, body, channel=run.channel, handlers=handlers, on_start=on_start,
         grace=spec.failure_grace,
     )  # fmt: skip
@@ -718,7 +709,7 @@ def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> Any:
     process, and the counts the read made; its arrays travel out of band (no copy into
     a pickle)."""
     from ..data import _collection_shard
-    from . import rankproc as _rankproc
+    from . import rankproc
 
     counts: dict[str, float] = {}
 
@@ -726,7 +717,7 @@ def _load_dataset_window(plan: Any, pieces: Any, fmt: str) -> Any:
         counts[name] = counts.get(name, 0) + n
 
     data, _ = _collection_shard._Fetcher(plan, count).load(pieces, fmt)
-    return _rankproc.OutOfBand((data, counts))
+    return rankproc.OutOfBand((data, counts))
 
 
 def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
@@ -737,7 +728,7 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
     from distributed import get_worker
 
     os.environ.update(_torchrun_env(spec))
-    _malloc.tune(spec.tune_malloc)
+    malloc.tune(spec.tune_malloc)
     channel = link.channel = events.RankChannel(
         get_worker(),  # the worker's stand-in: its address names where large messages wait
         spec.run_id,
@@ -851,7 +842,7 @@ def _run_in_slot(
     # kept until the task ends, for slow peers
     store = run.store = _connect_store(spec, run, slot, own_store)
     _rendezvous(store, spec, run)
-    device = _cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
+    device = cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:
         # No safe point between the rendezvous and the group: once all ranks joined, all
         # make it, even if a stop came meanwhile (they stop at the next rendezvous). A rank
@@ -866,7 +857,7 @@ def _run_in_slot(
         )
         _rendezvous(store, spec, run, "initialised")
     run.check_stop()
-    _status.send(run, _status.RUNNING)
+    status.send(run, status.RUNNING)
     ctx = RankContext(
         rank=p.rank,
         local_rank=p.local_rank,
@@ -890,7 +881,7 @@ def _run_in_slot(
         with (
             _activated(run, ctx, checkpointing, spec.datasets, saver, resumer),
             # A lane shares its process's streams with the other lanes: nothing to forward.
-            _output.forwarded(run.channel) if slot is PROCESS else contextlib.nullcontext(),
+            output.forwarded(run.channel) if slot is PROCESS else contextlib.nullcontext(),
         ):
             return fn(*args, **kwargs)
     except BaseException as exc:
@@ -906,7 +897,7 @@ def _run_in_slot(
                 raise stopped from None
             raise stopped from exc
         first = _first_failure(store, p.rank, exc, peer_lost=_process.is_peer_loss(exc))
-        if isinstance(exc, _resize.GrowAtCheckpoint):
+        if isinstance(exc, resize.GrowAtCheckpoint):
             # Every rank stops here (rank 0 recorded it first, for a rank that skipped the
             # checkpoint call: its next collective fails once the others' processes end).
             return Resized(exc.step)
@@ -921,7 +912,7 @@ def _checkpointing(
     run: RankRun,
     peer: Any,
     memory: Callable[[], tuple[int, int]],
-) -> tuple[_saving.Saver | None, _resume.Resumer | None]:
+) -> tuple[saving.Saver | None, resume.Resumer | None]:
     """What saves and loads the rank's checkpoints (None without ``checkpoint_dir``)."""
     if settings.directory is None:
         return None, None
@@ -931,16 +922,16 @@ def _checkpointing(
         if channel is not None:
             channel.put(kind, body, "save_checkpoint", urgent=True)
 
-    saver = _saving.Saver(
+    saver = saving.Saver(
         settings,
         rank=ctx.rank,
         world_size=ctx.world_size,
         announce=announce,
         peer=peer,
         memory=memory,
-        status=lambda text: _status.send(run, None, text),
+        status=lambda text: status.send(run, None, text),
     )
-    resumer = _resume.Resumer(
+    resumer = resume.Resumer(
         settings,
         rank=ctx.rank,
         world_size=ctx.world_size,

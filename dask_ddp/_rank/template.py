@@ -50,7 +50,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import NannyPlugin
 
-from . import malloc as _malloc
+from . import malloc
 from . import process as _process
 
 logger = logging.getLogger(__name__)
@@ -235,13 +235,13 @@ async def find(worker: Any) -> None:
     global _here
     if worker.nanny is None or (isinstance(_here, _Nanny) and _here.alive()):
         return
-    from .._shared import dask_internals as _dask_internals
+    from .._shared import dask_internals
 
     if isinstance(_here, _Nanny):
         logger.info("dask-ddp: worker %s asks its nanny for its rank template again: the "
                     "one at %s is gone", worker.address, _here._forkserver_address)  # fmt: skip
     try:
-        address, pid = await _dask_internals.run_in_nanny(worker, _hold_for_nanny)
+        address, pid = await dask_internals.run_in_nanny(worker, _hold_for_nanny)
     except Exception as exc:  # the worker's own template does as well
         logger.info(
             "dask-ddp: worker %s starts its own rank template: its nanny %s could not hold "
@@ -343,7 +343,7 @@ def _prepare() -> None:
     try:
         import torch.distributed as dist
 
-        _malloc._glibc()
+        malloc._glibc()
         _process.interface_of("127.0.0.1")
         dist.BackendConfig("gloo")
     except Exception:

@@ -22,7 +22,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from .._shared import dask_internals as _dask_internals
+from .._shared import dask_internals
 from .._shared.placement import (
     WorkerInfo,
     choose_backend,
@@ -258,7 +258,7 @@ class Launcher:
     def submit(self, attempt: Attempt) -> None:
         """Submit the attempt's rank tasks, one graph (it goes out on the client's stream),
         each task pinned to its rank's worker."""
-        attempt.futures = _dask_internals.submit_pinned(
+        attempt.futures = dask_internals.submit_pinned(
             self.client,
             [
                 (spec.key, spec.placement.worker, call, (Entry.RUN_RANK, self.spec.payload, spec))
@@ -276,7 +276,7 @@ class Launcher:
         """Let the cluster forget the attempt's futures (and the values they hold)."""
         with contextlib.suppress(KeyError, OSError):  # gone already, or the scheduler is closing
             await self.client.unpublish_dataset(attempt.dataset)
-        _dask_internals.drop_published_client(self.scheduler, attempt.dataset)
+        dask_internals.drop_published_client(self.scheduler, attempt.dataset)
         for future in attempt.futures:
             future.release()
         attempt.futures, attempt.published = [], False
@@ -321,7 +321,7 @@ class Launcher:
             answers = await self.client.restart_workers(lone, raise_for_error=False)
             done |= {w for w, answer in answers.items() if answer in ("OK", "removed")}
         if back:
-            answers = await _dask_internals.kill_worker_processes(self.client, list(back))
+            answers = await dask_internals.kill_worker_processes(self.client, list(back))
             for worker, answer in answers.items():
                 if isinstance(answer, BaseException):
                     logger.warning(
@@ -339,7 +339,7 @@ class Launcher:
         """Fail rank ``rank``'s task, left without a worker (its worker left or was
         restarted), with ``error``: its future then says why it ended, whichever way it is
         read, instead of waiting for a worker that will not come back."""
-        _dask_internals.fail_task(self.scheduler, attempt.keys[rank], pickle.dumps(error))
+        dask_internals.fail_task(self.scheduler, attempt.keys[rank], pickle.dumps(error))
 
     async def drop_store(self, run_id: str, worker: str) -> None:
         """Close the store opened for ``run_id`` on ``worker`` (an attempt that never ran)."""

@@ -33,8 +33,7 @@ from typing import Any, Protocol
 import dask.config
 from tornado import web
 
-from .._shared import dask_internals as _dask_internals
-from .._shared import view
+from .._shared import dask_internals, view
 from .._shared.values import FINAL_STATES
 
 
@@ -381,7 +380,7 @@ def add_pages(plugin: Holder) -> web.Application | None:
     http = getattr(plugin.scheduler, "http_application", None)
     if http is None:
         return None
-    app = _application(plugin, _dask_internals.http_prefix(plugin.scheduler))
+    app = _application(plugin, dask_internals.http_prefix(plugin.scheduler))
     http.add_application(app)
     return app
 
@@ -391,4 +390,4 @@ def remove_pages(plugin: Holder, app: web.Application | None) -> None:
     _collector().plugins.discard(plugin)
     http = getattr(plugin.scheduler, "http_application", None)
     if http is not None and app is not None:
-        _dask_internals.remove_http_application(http, app)
+        dask_internals.remove_http_application(http, app)

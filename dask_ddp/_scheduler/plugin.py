@@ -38,8 +38,7 @@ from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from .. import config as _config
-from .._shared import dask_internals as _dask_internals
-from .._shared import preload as _preload
+from .._shared import dask_internals, preload
 from .._shared.placement import select_workers
 from .._shared.protocol import HANDLERS, Entry, NamedWorkerPlugin, call, order_mark
 from .._shared.values import JobSpec
@@ -52,7 +51,7 @@ from ..errors import (
     SchedulerPluginError,
     to_wire,
 )
-from . import page as _dashboard
+from . import page
 from .lifecycle import STOP_MARGIN
 from .pool import WorkerPool
 from .supervisor import Supervisor
@@ -81,7 +80,7 @@ class DaskDDPPlugin(SchedulerPlugin):
     def __init__(self, max_jobs: int | None = None, pages: bool | None = None) -> None:
         self.max_jobs = int(max_jobs or _config.get("ddp.dashboard.max-jobs"))
         self.pages = bool(_config.get("ddp.dashboard.enabled") if pages is None else pages)
-        self.changes = _dashboard.Changes()  # what the /ddp/ pages show, changing
+        self.changes = page.Changes()  # what the /ddp/ pages show, changing
         self.jobs: dict[str, Supervisor] = {}  # in launch order
         self.gpus: dict[str, Any] = {}  # worker -> (GPU count, CUDA_VISIBLE_DEVICES)
         self.scheduler: Any = None
@@ -113,15 +112,15 @@ class DaskDDPPlugin(SchedulerPlugin):
             ("forget", self._handle_forget),
             ("ready", self._handle_ready),
         ):
-            _dask_internals.add_scheduler_handler(scheduler, HANDLERS[what], handler)
+            dask_internals.add_scheduler_handler(scheduler, HANDLERS[what], handler)
         self._ready = asyncio.Event()
         # A preloaded plugin starts under the scheduler's start-up lock: a start() that
         # waited for its own client's connection would wait for itself.
         self._connecting = asyncio.ensure_future(self._connect())
         if self.pages:
-            self._app = _dashboard.add_pages(self)
+            self._app = page.add_pages(self)
         # Kept after the plugin closes: the workers of a closing cluster leave after it.
-        logging.getLogger("distributed.scheduler").addFilter(_preload.LOST_RANK_VALUES)
+        logging.getLogger("distributed.scheduler").addFilter(preload.LOST_RANK_VALUES)
 
     async def _connect(self) -> None:
         try:
@@ -169,9 +168,9 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         if self._app is not None:
-            _dashboard.remove_pages(self, self._app)
+            page.remove_pages(self, self._app)
         for name in HANDLERS.values():
-            _dask_internals.remove_scheduler_handler(self.scheduler, name)
+            dask_internals.remove_scheduler_handler(self.scheduler, name)
 
     # -- what clients ask, by name (dask_ddp._client.calls): plain values, refusals too ---
     async def _handle_launch(self, spec: JobSpec) -> dict[str, Any]:
@@ -205,7 +204,7 @@ class DaskDDPPlugin(SchedulerPlugin):
             return {"refused": to_wire(exc)}
 
     def _handle_list(self) -> dict[str, Any]:
-        return {"rows": _dashboard.rows(self)}
+        return {"rows": page.rows(self)}
 
     async def _handle_forget(self, job: str) -> dict[str, Any]:
         try:
@@ -245,7 +244,7 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     def remove_client(self, scheduler: Any, client: str) -> None:
         scheduler.extensions["publish"].datasets.pop(order_mark(client), None)
-        _dask_internals.drop_published_client(scheduler, order_mark(client))
+        dask_internals.drop_published_client(scheduler, order_mark(client))
         for job in list(self.jobs.values()):
             job.unfollow(client)
 
@@ -370,7 +369,7 @@ class DaskDDPPlugin(SchedulerPlugin):
 
     async def _release(self, job: Supervisor) -> None:
         """What the cluster keeps of a dropped job: its ranks' values, held messages, events."""
-        _dask_internals.drop_topic(job.topic, None, self.scheduler)
+        dask_internals.drop_topic(job.topic, None, self.scheduler)
         if job.attempt is not None:
             await job.launcher.unpublish(job.attempt)
             workers = sorted(set(job.attempt.workers) & set(self.scheduler.workers))

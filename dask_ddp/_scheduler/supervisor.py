@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import errors
-from .._shared import tracebacks as _traceback
+from .._shared import tracebacks
 from .._shared.placement import WorkerInfo, order_workers
 from .._shared.progress import Progress, view_state
 from .._shared.protocol import RankOutcome, Told, job_topic
@@ -412,7 +412,7 @@ class Supervisor:
             return
         causes, where, waiting = [], [], []
         for rank, text in sorted(stacks.items()):
-            in_collective, at = _traceback.stuck_at(text)
+            in_collective, at = tracebacks.stuck_at(text)
             if in_collective:
                 waiting.append(rank)
             else:

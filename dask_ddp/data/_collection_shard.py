@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dask_ddp._shared import dask_internals as _dask_internals
+from dask_ddp._shared import dask_internals
 from dask_ddp.data._collection_plan import Key, _Piece, _ShardPlan
 from dask_ddp.data._errors import DatasetPartitionLostError
 from dask_ddp.data._prefetch import Prefetcher
@@ -464,7 +464,7 @@ class _Fetcher:
 
     def _read_local(self, keys: list[Key]) -> dict[Key, Any]:
         """The partitions among ``keys`` that this worker holds, without a copy."""
-        return _dask_internals.read_worker_data(self._worker, keys)
+        return dask_internals.read_worker_data(self._worker, keys)
 
     def _fetch_remote(self, keys: list[Key], unique: Mapping[Key, _Piece]) -> dict[Key, Any]:
         """Fetch partitions straight from the workers that hold them (not via the client)."""
@@ -472,13 +472,13 @@ class _Fetcher:
 
         client = self._client
         # A Future for a key the scheduler has forgotten would wait forever: check first.
-        states = _dask_internals.task_states(client, keys)
+        states = dask_internals.task_states(client, keys)
         for key in keys:
             if states.get(key) is None:
                 self._lost(unique[key])
         futures = [Future(key, client) for key in keys]
         # A Future made from a key does not tell the scheduler that this client wants it.
-        _dask_internals.desire_keys(client, keys)
+        dask_internals.desire_keys(client, keys)
         try:
             values = client.gather(futures, direct=True)
         except CancelledError as exc:

@@ -21,7 +21,7 @@ import fsspec.asyn
 import fsspec.core
 from torch.utils.data import Dataset
 
-from dask_ddp._shared import activity as _activity
+from dask_ddp._shared import activity
 from dask_ddp.data._errors import (
     CorruptDataError,
     CorruptSamples,
@@ -175,7 +175,7 @@ class FileDataset(Dataset):
         if root_url is not None:
             self.root = root_url
             root = fsspec.core.strip_protocol(root_url).rstrip("/")
-            _activity.say(f"{type(self).__name__}: listing {root_url}")
+            activity.say(f"{type(self).__name__}: listing {root_url}")
             entries = self._store.list(root)
         else:
             common = os.path.commonprefix(urls)  # noqa: RUF071 - URLs, not OS paths
@@ -186,13 +186,13 @@ class FileDataset(Dataset):
         self._sizes: list[int | None] = []  # these two only feed cache keys: kept with a cache
         self._tokens: list[str] = []
         self._index(root, entries)
-        _activity.say(
+        activity.say(
             f"{type(self).__name__}: {len(self._paths)} samples under {self.root} "
             f"({len(entries)} files listed) in {time.perf_counter() - start:.2f} s"
         )
         if self._store.cache is not None:
             fill_log = self._store.log_fills(self.root)
-            _activity.follow(fill_log, self._cache_progress)
+            activity.follow(fill_log, self._cache_progress)
 
     # -- construction -------------------------------------------------------------------
 
