@@ -177,8 +177,8 @@ class Supervisor:
         return future
 
     def start(self) -> None:
-        """Start the job's life (``until(lambda: bool(self.history))``: it ran, waits or
-        ended)."""
+        """Start the job's life. Its first state (it runs, waits, or ended) is the first
+        entry of :attr:`history`; the plugin answers the launch then (:meth:`until`)."""
         self.feed(lc.Start())
         if self.settings.stall_timeout is not None:
             self._watch_stalls()
@@ -787,7 +787,7 @@ class Supervisor:
             "backend": a.backend if a is not None else "",
             "dataset": a.dataset if a is not None and a.published else None,
             "keys": list(a.keys) if a is not None else [],
-            "ended": [s.ended and s.ended.to_wire() for s in self.progress.status] if a else [],
+            "ended": [e and e.to_wire() for e in self.progress.ended()] if a is not None else [],
             "waiting": waiting,
             "history": [t.to_wire() for t in self.history],
             "starts": [s.to_wire() for s in self.starts.values()],

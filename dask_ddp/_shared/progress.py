@@ -247,6 +247,10 @@ class Progress:
             self.status[rank].ended = ended
             self.changes += 1
 
+    def ended(self) -> list[Ended | None]:
+        """How each rank's task ended, None while it runs."""
+        return [s.ended for s in self.status]
+
     def ranks(self, *, curve_points: int | None = None, values: int | None = None) -> list[dict]:
         """Each rank as the views draw it (the ``"ranks"`` of ``Job.view_state()``);
         ``curve_points``/``values`` thin the curve and cap the metric values kept."""
