@@ -598,3 +598,42 @@ def test_the_views_are_redrawn_at_once_when_idle_and_paced_under_a_stream(
     calls[-1][1]()
     model.mark_views()
     assert calls[-1][0] == pytest.approx(0.02 / _model._VIEW_SHARE - 0.02)
+
+
+def _reports_with_a_large_one(n: int) -> int:
+    for i in range(n):
+        dask_ddp.report({"loss": 1.0 / (i + 1), "acc": i / n}, step=i)
+    # One record over the channel's event budget: it travels by reference.
+    dask_ddp.report({"loss": 0.01, **{f"w{k}": float(k) for k in range(8000)}}, step=n)
+    return n
+
+
+def _supervisor_ranks(job_id: str, dask_scheduler=None) -> list[dict]:
+    return dask_scheduler.plugins["dask-ddp"].jobs[job_id].progress.page_ranks()
+
+
+def test_the_notebook_and_the_page_show_one_account_of_progress(client: Client) -> None:
+    """The supervisor and a client take the same events into the same Progress: the page's
+    rows and the notebook's agree, a record sent by reference counted on both."""
+    job = dask_ddp.launch(client, _reports_with_a_large_one, args=(40,))
+    assert job.result(timeout=120) == [40, 40]
+
+    def agree() -> bool:
+        return job._model.progress.page_ranks() == client.run_on_scheduler(
+            _supervisor_ranks, job.job_id
+        )
+
+    poll_for(agree, timeout=30)
+    ranks = job._model.progress.page_ranks()
+    assert [r["count"] for r in ranks] == [41, 41] and [r["step"] for r in ranks] == [40, 40]
+    assert [r["status"] for r in ranks] == ["finished", "finished"]
+    assert len(job.metrics) == 82
+
+
+def test_an_event_that_says_a_phase_then_an_activity_keeps_the_phase() -> None:
+    """A rank's event tells its last status; an activity-only status after a phase in the
+    same batch keeps that phase (the page and the notebook would miss it otherwise)."""
+    told = protocol.Told()
+    told.add(protocol.STATUS, ["joining", "1 of 2", 1.0], None)
+    told.add(protocol.STATUS, [None, "listing", 2.0], None)
+    assert told.status == protocol.Status("joining", "listing", 2.0)

@@ -145,9 +145,15 @@ class JobModel:
             self.checkpoints = [CheckpointInfo(**c) for c in checkpoints]
             self.cond.notify_all()
 
-    def add(self, rank: int, msgs: list[list[Any]], *, current: bool) -> tuple[list, list]:
-        """Take a rank's decoded messages; return the new records and printed lines.
-        ``current``: from the placement the progress shows (else only kept)."""
+    def told(self, rank: int, told: protocol.Told) -> None:
+        """What an event of the current placement's rank ``rank`` tells in the clear: the
+        progress the views show, taken as the supervisor takes it (one account)."""
+        with self.cond:
+            self.progress.take(rank, told)
+        self.mark_views()
+
+    def add(self, rank: int, msgs: list[list[Any]]) -> tuple[list, list]:
+        """Take a rank's decoded messages; return the new records and printed lines."""
         records: list[MetricRecord] = []
         printed: list[OutputLine] = []
         with self.cond:
@@ -155,8 +161,6 @@ class JobModel:
                 if kind == protocol.METRICS:
                     m = protocol.Metric(*body)
                     records.append(MetricRecord(rank, m.step, m.time, m.values))
-                    if current:
-                        self.progress.add(rank, m.step, m.time, m.values)
                 elif kind == protocol.CHECKPOINT:
                     c = protocol.CheckpointNote(*body)
                     info = CheckpointInfo(
@@ -172,8 +176,6 @@ class JobModel:
                 elif kind == protocol.OUTPUT:
                     o = protocol.Output(*body)
                     printed += [OutputLine(rank, o.stream, line) for line in o.text.split("\n")]
-                elif kind == protocol.STATUS and current:
-                    self.progress.set_status(rank, *protocol.Status(*body))
             self.metrics.extend(records)
             self.output.extend(printed)
             self.cond.notify_all()

@@ -25,7 +25,7 @@ from typing import Any
 from distributed import Client
 
 from .._shared import dask_internals
-from .._shared.protocol import BLOB_HANDLER, Entry, call, decode, job_topic
+from .._shared.protocol import BLOB_HANDLER, Entry, Told, call, decode, job_topic
 from ..errors import ChannelError
 from . import topics
 from .model import JobModel
@@ -319,6 +319,14 @@ class EventReader:
     async def _deliver(
         self, run_id: str, rank: int, event: dict[str, Any], *, history: bool = False
     ) -> None:
+        current = run_id == self.model.run_id and not history
+        if current and event.get("told"):
+            try:
+                told = Told.from_wire(event["told"])
+            except (KeyError, TypeError, ValueError) as exc:
+                self.model.note(f"rank {rank}: an event could not be read ({exc})")
+            else:
+                self.model.told(rank, told)  # the job's progress, as the supervisor takes it
         if "blob" in event:
             ref = event["blob"]
             try:
@@ -332,8 +340,7 @@ class EventReader:
                 return
         else:
             msgs = decode(event)
-        current = run_id == self.model.run_id and not history
-        records, printed = self.model.add(rank, msgs, current=current)
+        records, printed = self.model.add(rank, msgs)
         if records:
             self._call_back("on_report", records, "job.metrics")
         if printed:

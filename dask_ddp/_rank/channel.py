@@ -41,7 +41,6 @@ import msgpack
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .._shared import dask_internals, preload
-from .._shared.progress import pick_curve_metric
 from .._shared.protocol import (
     BLOB_HANDLER,
     DONE,
@@ -52,6 +51,7 @@ from .._shared.protocol import (
     RankOutcome,
     Told,
     job_topic,
+    pick_curve_metric,
 )
 from ..errors import ChannelError, NotInRankError
 
@@ -421,13 +421,13 @@ class RankChannel:
             if parts and size + n > self._budget:
                 self._send(parts, told)
                 parts, size, told = [], 0, Told()
+            if kind == METRICS and self._metric is None and body[2]:
+                self._metric = pick_curve_metric(body[2])
             if packed is None or n > self._budget:
                 self._send_by_reference([kind, body], n)
             else:
                 parts.append(packed)
                 size += n
-                if kind == METRICS and self._metric is None and body[2]:
-                    self._metric = pick_curve_metric(body[2])
                 told.add(kind, body, self._metric)
         final = {} if end is None else {"outcome": end.to_wire()}
         if parts:
@@ -451,6 +451,10 @@ class RankChannel:
         self._emit({"n": len(parts), "packed": packed, "told": told.to_wire(), **(final or {})})
 
     def _send_by_reference(self, msg: list[Any], nbytes: int) -> None:
+        """A large message, held here for the clients to fetch; its event tells in the
+        clear what it is (a large record counts for the job's progress as any other)."""
+        told = Told()
+        told.add(msg[0], msg[1], self._metric)
         key = f"{self._job}/{self._rank}/{self._seq}"
         if self._relay is not None:
             self._relay.hold_blob(key, msg)
@@ -458,7 +462,7 @@ class RankChannel:
             hold_blob(key, msg)
         ref = {"worker": self._worker.address, "key": key, "nbytes": nbytes}
         try:
-            self._emit({"blob": ref})
+            self._emit({"blob": ref, "told": told.to_wire()})
         except BaseException:
             with _blobs_lock:
                 _blobs.pop(key, None)

@@ -242,19 +242,12 @@ class Supervisor:
             self._publish_soon()  # every client's view says how the rank ended, as decided here
 
     def _told(self, a: Attempt, rank: int, told: Told) -> None:
-        if told.last is not None:
-            last = told.last
-            self.progress.add(
-                rank, last.step, last.time, last.values, told.records, told.points or None,
-                list(told.first) if told.first else None,
-            )  # fmt: skip
-            if not a.reported:
-                a.reported = True
-                self._first_step(a)
-        if told.status is not None:
-            self.progress.set_status(rank, *told.status)
-            if told.status.phase is not None:
-                self.feed(lc.RankStarted(a.number, rank))
+        self.progress.take(rank, told)
+        if told.last is not None and not a.reported:
+            a.reported = True
+            self._first_step(a)
+        if told.status is not None and told.status.phase is not None:
+            self.feed(lc.RankStarted(a.number, rank))
         for c in told.checkpoints:
             self.checkpoints.append(
                 CheckpointInfo(c.url, c.step, c.nbytes, rank, c.time, c.stall, c.world_size)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .protocol import Ended, RankEnd
+from .protocol import Ended, RankEnd, Told, pick_curve_metric
 
-__all__ = ["Progress", "pick_curve_metric", "view_state"]
+__all__ = ["Progress", "view_state"]
 
 CURVE_POINTS = 400  # points kept per rank for the loss curve (older ones thinned)
 # What the /ddp/ page gets of each rank (Progress.page_ranks): metric values, curve points,
@@ -70,18 +70,6 @@ def view_state(
         "output": list(output),
         **extra,
     }
-
-
-def pick_curve_metric(values: dict[str, Any]) -> str:
-    """The metric the curve draws: ``loss``, else the first with "loss" in its name, else
-    the first.
-
-    >>> pick_curve_metric({"acc": 0.5, "train_loss": 0.2})
-    'train_loss'
-    """
-    if "loss" in values:
-        return "loss"
-    return next((k for k in values if "loss" in k.lower()), next(iter(values)))
 
 
 class _RankProgress:
@@ -219,6 +207,20 @@ class Progress:
         status = self.status[rank]
         if status.phase is None:
             status.phase = "running"  # its records arrived before its status
+
+    def take(self, rank: int, told: Told) -> None:
+        """What one event of ``rank`` tells in the clear (:class:`~.protocol.Told`): its
+        records and its latest status. The supervisor and every client that follows the
+        job take the same events here, so that the ``/ddp/`` page and the notebook show
+        one account of the job's progress."""
+        last = told.last
+        if last is not None:
+            first = list(told.first) if told.first else None
+            self.add(
+                rank, last.step, last.time, last.values, told.records, told.points or None, first
+            )
+        if told.status is not None:
+            self.set_status(rank, *told.status)
 
     def seed(self, ranks: list[dict[str, Any]], records: int, metric: str | None) -> None:
         """Start from a summary of the ranks so far (what :meth:`ranks` gave elsewhere): a

@@ -67,6 +67,7 @@ __all__ = [
     "is_rank_key",
     "job_topic",
     "order_mark",
+    "pick_curve_metric",
     "rank_key",
     "record",
     "run_id_of",
@@ -612,8 +613,21 @@ def _packer() -> msgpack.Packer:
     return msgpack.Packer(use_bin_type=True, autoreset=True)
 
 
+def pick_curve_metric(values: dict[str, Any]) -> str:
+    """The metric the curve draws: ``loss``, else the first with "loss" in its name, else
+    the first.
+
+    >>> pick_curve_metric({"acc": 0.5, "train_loss": 0.2})
+    'train_loss'
+    """
+    if "loss" in values:
+        return "loss"
+    return next((k for k in values if "loss" in k.lower()), next(iter(values)))
+
+
 def encode(run: str, rank: int, seq: int, msgs: list[list[Any]]) -> dict[str, Any]:
-    """The event carrying ``msgs`` (messages ``seq``, ``seq + 1``, ...) of one rank.
+    """The event carrying ``msgs`` (messages ``seq``, ``seq + 1``, ...) of one rank, and
+    what they tell in the clear (:class:`Told`), as a rank's channel sends them.
 
     The messages travel packed (msgpack, back to back) in one ``bytes`` value: the worker
     and the scheduler then handle one opaque value per batch instead of walking every
@@ -623,7 +637,15 @@ def encode(run: str, rank: int, seq: int, msgs: list[list[Any]]) -> dict[str, An
     [['m', [1, 0.0, {'loss': 0.5}]]]
     """
     packed = b"".join(map(_packer().pack, msgs))
-    return {"v": VERSION, "run": run, "rank": rank, "seq": seq, "n": len(msgs), "packed": packed}
+    told, metric = Told(), None
+    for kind, body in msgs:
+        if kind == METRICS and metric is None and body[2]:
+            metric = pick_curve_metric(body[2])
+        told.add(kind, body, metric)
+    return {
+        "v": VERSION, "run": run, "rank": rank, "seq": seq, "n": len(msgs), "packed": packed,
+        "told": told.to_wire(),
+    }  # fmt: skip
 
 
 def decode(event: dict[str, Any]) -> list[list[Any]]:
@@ -675,7 +697,10 @@ class Told:
                 if len(self.points) > 2 * _TOLD_POINTS:
                     del self.points[1:-1:2]  # thinned, the first and the last kept
         elif kind == STATUS:
-            self.status = Status(*body)
+            status = Status(*body)
+            if status.phase is None and self.status is not None:  # the batch's phase stays
+                status = status._replace(phase=self.status.phase)
+            self.status = status
         elif kind == CHECKPOINT:
             self.checkpoints.append(CheckpointNote(*body))
         elif kind == REPLICA:
