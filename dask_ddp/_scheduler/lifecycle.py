@@ -614,7 +614,8 @@ class Note:
 
 @dataclasses.dataclass(frozen=True)
 class Finish:
-    """The job is over: what is left of it (datasets, replicas) goes; it says so.
+    """The job is over: what is left of it (datasets, replicas) goes, it says so, and
+    :class:`Finished` comes back.
     ``error``: what ``launch()`` raises, for a job that failed before any attempt was
     placed (None: ``launch()`` returns the job)."""
 
