@@ -980,6 +980,12 @@ class _Step:
             if given_up:  # a rank runs there still: no job may use it
                 self.set(held=life.held - given_up)
                 self.actions.append(Quarantine(given_up))
+                self.actions.append(
+                    Note(
+                        f"workers {sorted(given_up)} are kept out of dask-ddp jobs: a rank "
+                        "there did not stop and the worker could not be restarted"
+                    )
+                )
             for r in stuck:
                 self.update(r, abandoned=True)
             self.progress()

@@ -323,10 +323,6 @@ class Supervisor:
             pool.release(self.job_id, action.workers)
         elif isinstance(action, lc.Quarantine):
             pool.quarantine(self.job_id, action.workers)
-            self._note(
-                f"workers {sorted(action.workers)} are kept out of dask-ddp jobs: a rank there "
-                "did not stop and the worker could not be restarted"
-            )
         elif isinstance(action, lc.TakeMore):
             self._take_more(action)
         elif isinstance(action, lc.RequestGrow):
