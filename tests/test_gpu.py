@@ -206,7 +206,7 @@ def test_dcp_async_save_with_gloo_beside_nccl(tmp_path: Path) -> None:
 def test_the_driver_check_sees_cuda_start() -> None:
     # A fresh process: no CUDA until torch starts it; the check itself starts nothing.
     code = (
-        "from dask_ddp import _cuda; import torch; "
+        "from dask_ddp._rank import cuda as _cuda; import torch; "
         "print(_cuda.driver_initialised()); torch.cuda.init(); print(_cuda.driver_initialised())"
     )
     out = subprocess.run(

@@ -351,7 +351,7 @@ def test_the_interface_of_an_address_is_read_again_when_it_is_new(monkeypatch) -
 
 OFFLINE_REHEARSAL = """
 import torch.distributed as dist
-from dask_ddp import _rankproc
+from dask_ddp._rank import rankproc as _rankproc
 
 def no_connections(*args, **kwargs):
     raise AssertionError("the rehearsal connected to a store")
