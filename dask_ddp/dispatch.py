@@ -6,8 +6,9 @@ dask-pytorch-ddp imports.
 
 Examples
 --------
+>>> import dask_ddp
 >>> from dask_ddp import dispatch
->>> dispatch.run is dask_ddp.run  # doctest: +SKIP
+>>> dispatch.run is dask_ddp.run
 True
 """
 
