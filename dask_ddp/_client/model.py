@@ -2,9 +2,10 @@
 
 :class:`JobModel` is this client's copy of a job that lives in the cluster. Its
 :class:`~dask_ddp._client.reader.EventReader` writes into it from the job's event topic: the
-supervisor's messages (state, placement, history, error: :meth:`JobModel.apply_state`) and
-the ranks' own messages (records, printed lines, checkpoints, results:
-:meth:`JobModel.add`). The :class:`~dask_ddp.Job` handle and the views read it. One
+supervisor's messages (state, placement, history, error: :meth:`JobModel.apply_state`) and the
+ranks' own messages (records, printed lines, checkpoints, results: :meth:`JobModel.add`), and
+the progress each event tells in the clear, taken as the supervisor takes it
+(:meth:`JobModel.told`). The :class:`~dask_ddp.Job` handle and the views read it. One
 :class:`threading.Condition` guards it and wakes the readers waiting for a change
 (:meth:`Job.iter_metrics`, :meth:`Job.watch`, :meth:`Job.view_state`).
 """

@@ -1,9 +1,10 @@
 """What a job's ranks have said so far, drawn as the views draw it: one :class:`Progress`.
 
-The supervisor on the scheduler keeps one per job (fed by what each event tells in the
-clear: record count, the latest record, status, checkpoints) for the ``/ddp/`` page, and
-every client's :class:`~dask_ddp._client.model.JobModel` keeps one fed by the records themselves.
-Both build the same snapshot (:meth:`Progress.ranks`, the ``"ranks"`` of
+The supervisor on the scheduler keeps one per job for the ``/ddp/`` page, and every
+client's :class:`~dask_ddp._client.model.JobModel` keeps one for the notebook; both take
+the same events (:meth:`Progress.take`: what each event tells in the clear, a
+:class:`~dask_ddp._shared.protocol.Told`), so they hold one account. Both build the same
+snapshot (:meth:`Progress.ranks`, the ``"ranks"`` of
 :meth:`dask_ddp.Job.view_state`), which :mod:`dask_ddp._shared.view` draws.
 """
 
@@ -41,11 +42,10 @@ def view_state(
     output: list[str],
     **extra: Any,
 ) -> dict[str, Any]:
-    """What every view of a job draws (:mod:`dask_ddp._shared.view`): the notebook's, from a
-    client's
-    :class:`~dask_ddp._client.model.JobModel`, and the ``/ddp/`` page's, from the supervisor on the
-    scheduler. One builder, so that the two never draw different things; ``extra`` is what
-    only one of them adds (the page: who launched the job, how many follow it).
+    """What every view of a job draws (:mod:`dask_ddp._shared.view`): the notebook's, from
+    a client's :class:`~dask_ddp._client.model.JobModel`, and the ``/ddp/`` page's, from the
+    supervisor on the scheduler. One builder, so that the two never draw different things;
+    ``extra`` is what only one of them adds (the page: who launched the job, how many follow it).
 
     >>> view_state(job="3f2a", name="train", state="running", waiting=None, total=None,
     ...            backend="gloo", elapsed=1.0, attempts=1, records=0, ranks=[], metric=None,

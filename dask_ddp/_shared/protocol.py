@@ -15,8 +15,8 @@ travels between them is defined here, as records with named fields and a version
   :class:`Verdict`, never an exception's text.
 - :class:`Restore`: where a rank of a new attempt reads the last checkpoint.
 - The rank's messages (:data:`METRICS`, :class:`Metric`, ...), packed in batches
-  (:func:`encode`, :func:`decode`), and what each event tells the supervisor in the clear
-  (:class:`Told`), each event stamped with :data:`VERSION`.
+  (:func:`encode`, :func:`decode`), and what each event tells the supervisor and the
+  clients in the clear (:class:`Told`), each event stamped with :data:`VERSION`.
 - Names: task keys (:func:`rank_key`), event topics (:func:`job_topic`), the datasets an
   attempt's futures are published under (:func:`dataset_name`), the scheduler handlers
   the client calls (:data:`HANDLERS`), and the functions one wing runs in another's
@@ -656,13 +656,14 @@ def decode(event: dict[str, Any]) -> list[list[Any]]:
     return list(unpacker)
 
 
-_TOLD_POINTS = 16  # curve points an event tells the supervisor, at most
+_TOLD_POINTS = 16  # curve points an event tells in the clear, at most
 
 
 @dataclasses.dataclass
 class Told:
-    """What one event tells the job's supervisor in the clear, so that the scheduler never
-    unpacks a batch: how many records, the first one's step and time and the last one (for
+    """What one event tells in the clear, to the job's supervisor and every client alike
+    (:meth:`Progress.take <dask_ddp._shared.progress.Progress.take>`), so that the scheduler
+    never unpacks a batch: how many records, the first one's step and time and the last one (for
     rates), the curve's points (one metric's values), the rank's latest status, the
     checkpoints that landed, their replicas, and where the rank's state came from.
 
