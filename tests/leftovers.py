@@ -32,7 +32,7 @@ async def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
         for job in plugin.jobs.values()
         if not job.closed
     ]
-    return {"held": dict(plugin.pool.holder), "jobs": jobs}
+    return {"held": plugin.pool.holders(), "jobs": jobs}
 
 
 def _busy_rank(seconds: float) -> str | None:

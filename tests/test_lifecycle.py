@@ -71,13 +71,18 @@ class World:
         )
         self.names = itertools.count()
         self.cluster: set[str] = {self.new_name() for _ in range(rng.choice([0, 1, 2, 3, 4]))}
-        self.pool: dict[str, str] = {}  # worker -> "job" | "other" | "quarantine"
-        for w in list(self.cluster):
-            if rng.random() < 0.3:
-                self.pool[w] = "other"
+        # The workers other jobs hold, and those kept out of every job. What this job holds
+        # is its life's alone (Life.held): the pool asks it, as WorkerPool asks the lives.
+        self.others: set[str] = {w for w in sorted(self.cluster) if rng.random() < 0.3}
+        self.quarantined: set[str] = set()
         self.life = lc.Life.new(self.policy)
         self.now = 1000.0
-        self.request: tuple[int, int] | None = None  # want, need
+        self.request: tuple[int, int, bool] | None = None  # want, need, waits (Ask)
+        self.looked = False  # a pass found the request short, and said so
+        self.pass_due = False  # the pool's pass, soon on the loop (any event may come first)
+        self.offered: frozenset[str] = frozenset()  # free workers of the offer being taken
+        self.before = self.life  # the life before the fact being taken
+        self.tell = False  # the pass tells the job the workers changed
         self.queue: list[Any] = []  # facts due now (answers of synchronous actions)
         self.later: list[Any] = []  # facts that arrive at some later moment
         self.timers: dict[lc.Timer, tuple[int, float]] = {}
@@ -102,51 +107,64 @@ class World:
         before = self.life
         self.log.append(f"{fact}")
         self.life, actions = lc.step(self.life, fact, self.policy, self.now)
+        self.before = before
         for action in actions:
             self.log.append(f"  -> {action}")
             self.act(action)
         self.check(before, fact, actions)
 
     def run_queue(self) -> None:
-        while self.queue:
-            self.feed(self.queue.pop(0))
-        self.check_quiet()
+        while True:
+            while self.queue:
+                self.feed(self.queue.pop(0))
+            if not (self.pass_due and self.rng.random() < 0.5):
+                return  # the pass comes later: other things happen first
+            self.pool_pass()
 
-    # -- what the actions do ----------------------------------------------------------------
+    # -- the pool: it offers free workers, and the job takes them in its step ----------------
     def usable(self) -> int:
-        return sum(self.pool.get(w) != "quarantine" for w in self.cluster)
+        return len(self.cluster - self.quarantined)
 
     def free(self) -> list[str]:
-        return sorted(w for w in self.cluster if w not in self.pool)
+        """Workers no job holds (the others' record, and this job's life) nor is kept out."""
+        return sorted(self.cluster - self.others - self.quarantined - self.life.held)
 
-    def held(self) -> frozenset[str]:
-        return frozenset(w for w, j in self.pool.items() if j == "job")
-
-    def try_grant(self) -> None:
-        if self.request is None:
-            return
-        want, need = self.request
-        held = sorted(self.held())
-        new = self.free()[: max(0, want - len(held))]
-        if len(held) + len(new) >= need:
-            for w in new:
-                self.pool[w] = "job"
-            self.request = None
-            self.queue.append(lc.Granted(tuple(held + new)))
+    def pool_pass(self) -> None:
+        """WorkerPool's pass, on the loop, outside every step: the request is offered what
+        is free now, or told it is short once (a single look is dropped); then the job hears
+        the workers changed, if they did (in that order, as WorkerPool)."""
+        self.pass_due = False
+        tell, self.tell = self.tell, False
+        if self.request is not None:
+            want, need, waits = self.request
+            mine = sorted(self.life.held & self.cluster)
+            new = self.free()[: max(0, want - len(mine))]
+            if len(mine) + len(new) >= need:
+                self.request = None
+                self.offered = frozenset(new)
+                self.queue.append(lc.Offered(tuple(mine + new)))
+            elif not waits:
+                self.request = None
+            elif not self.looked:
+                self.looked = True
+                self.queue.append(lc.Short(self.usable()))
+            while self.queue:  # the job takes it at once: nothing else runs meanwhile
+                self.feed(self.queue.pop(0))
+            self.offered = frozenset()
+        if tell:
+            self.queue.append(lc.ClusterChanged(self.usable()))
 
     def pool_changed(self) -> None:
-        """The pool grants what it can, then tells the job (in that order, as WorkerPool)."""
-        self.try_grant()
-        self.queue.append(lc.ClusterChanged(self.usable()))
+        self.tell = self.pass_due = True
+
+    def ask(self, want: int, need: int, *, waits: bool) -> None:
+        self.request, self.looked, self.pass_due = (want, need, waits), False, True
 
     def act(self, action: Any) -> None:
         if isinstance(action, lc.Ask):
-            if self.request is not None:
+            if self.request is not None and self.request[2]:
                 raise InvariantBroken("a second Ask while one is pending")
-            self.request = (action.want, action.need)
-            self.try_grant()
-            if self.request is not None:
-                self.queue.append(lc.Short(self.usable()))
+            self.ask(action.want, action.need, waits=True)
         elif isinstance(action, lc.Withdraw):
             self.request = None
         elif isinstance(action, lc.Place):
@@ -168,35 +186,28 @@ class World:
         elif isinstance(action, lc.RestartWorkers):
             self.later.append(("restart", action))
         elif isinstance(action, lc.Release):
-            if self.rng.random() < 0.05:  # the pool failed to take them: a fact for the job
-                self.queue.append(
-                    lc.ActionFailed(lc.ActionKind.RELEASE, workers=action.workers, why="bug")
-                )
-                return
             for w in action.workers:
+                if w not in self.before.held or w in self.life.held:
+                    raise InvariantBroken(f"released {w}, which the job did not hold, or does")
                 if w not in self.cluster:
-                    continue  # it left; the pool forgot it (its WorkerLost is on its way)
-                if self.pool.get(w) != "job":
-                    raise InvariantBroken(f"released {w}, which the job does not hold")
+                    continue  # it left (its WorkerLost is on its way)
                 busy = [p for p in self.procs if p.worker == w and self.harmful(p)]
                 if busy:
                     raise InvariantBroken(f"released {w} while a rank still runs there: {busy}")
-                del self.pool[w]
             self.pool_changed()
         elif isinstance(action, lc.Quarantine):
             for w in action.workers:
+                if w in self.life.held:
+                    raise InvariantBroken(f"quarantined {w}, which the job still holds")
                 if w in self.cluster:
                     if not any(p.worker == w and self.harmful(p) for p in self.procs):
                         raise InvariantBroken(f"quarantined {w}, where no rank runs")
-                    self.pool[w] = "quarantine"
+                    self.quarantined.add(w)
             self.pool_changed()
         elif isinstance(action, lc.TakeMore):
-            held = sorted(self.held())
-            new = self.free()[: max(0, action.want - len(held))]
-            if new and len(held) + len(new) >= action.need:
-                for w in new:
-                    self.pool[w] = "job"
-                self.queue.append(lc.Grew(tuple(held + new)))
+            if self.request is not None and self.request[2]:
+                raise InvariantBroken("a TakeMore while an Ask is pending")
+            self.ask(action.want, action.need, waits=False)
         elif isinstance(action, lc.RequestGrow):
             self.grow_asked.add(action.attempt)
         elif isinstance(action, lc.Arm):
@@ -269,7 +280,8 @@ class World:
             if p.worker == w and p.state in ("queued", "running"):
                 p.state = "dead"
         self.cluster.discard(w)
-        self.pool.pop(w, None)
+        self.others.discard(w)
+        self.quarantined.discard(w)
         self.queue.append(lc.WorkerLost(w))
         if replace:
             self.cluster.add(self.new_name())
@@ -309,6 +321,8 @@ class World:
             weights["answer"] = 4
         if self.timers:
             weights["timer"] = 0.7
+        if self.pass_due:
+            weights["pass"] = 3
         queued = [p for p in self.procs if p.state == "queued" and p.worker in self.cluster]
         running = [p for p in self.procs if p.state == "running"]
         if queued:
@@ -329,6 +343,8 @@ class World:
         if pick == "answer":
             kind, action = self.later.pop(rng.randrange(len(self.later)))
             self.answer(kind, action)
+        elif pick == "pass":
+            self.pool_pass()
         elif pick == "timer":
             timer = rng.choice(sorted(self.timers))
             token, seconds = self.timers.pop(timer)
@@ -364,12 +380,11 @@ class World:
         elif pick == "join":
             self.cluster.add(self.new_name())
             self.pool_changed()
-        elif pick == "other":
-            others = [w for w, j in self.pool.items() if j == "other"]
-            if others and rng.random() < 0.7:
-                del self.pool[rng.choice(others)]
+        elif pick == "other":  # another job gives a worker back, or is offered a free one
+            if self.others and rng.random() < 0.7:
+                self.others.discard(rng.choice(sorted(self.others)))
             elif self.free():
-                self.pool[rng.choice(self.free())] = "other"
+                self.others.add(rng.choice(self.free()))
             self.pool_changed()
         elif pick == "cancel":
             self.cancel()
@@ -383,18 +398,24 @@ class World:
         self.queue.append(lc.CancelAsked("cancelled by the test"))
 
     # -- invariants ---------------------------------------------------------------------------
-    def check_quiet(self) -> None:
-        """Once every fact due was taken: the job and the pool agree on what it holds (what
-        the pool failed to take back is given back again once the RELEASE timer fires)."""
-        if self.life.unreleased and self.life.armed(lc.Timer.RELEASE) is None:
-            raise InvariantBroken(f"{set(self.life.unreleased)} left unreleased, no retry armed")
-        if self.life.held | (self.life.unreleased & self.cluster) != self.held():
-            raise InvariantBroken(
-                f"the job thinks it holds {set(self.life.held)}, the pool {set(self.held())}"
-            )
+    def check_held(self, before: lc.Life, fact: Any, actions: list[Any]) -> None:
+        """The job's life is the only record of what it holds: it takes only workers the
+        pool offered it free, never one another job holds or one kept out of every job."""
+        life = self.life
+        taken = life.held - before.held
+        if taken and not (isinstance(fact, lc.Offered) and taken <= self.offered):
+            raise InvariantBroken(f"took {set(taken)} on {fact}, which offered {self.offered}")
+        if life.held & (self.others | self.quarantined):
+            shared = life.held & (self.others | self.quarantined)
+            raise InvariantBroken(f"holds {set(shared)}, held by another job or kept out")
+        if isinstance(fact, lc.Offered) and life.phase is lc.Phase.PLACING:
+            placed = [a for a in actions if isinstance(a, lc.Place)]
+            if placed and set(placed[0].workers) != life.held:
+                raise InvariantBroken(f"placed on {placed[0].workers}, holding {set(life.held)}")
 
     def check(self, before: lc.Life, fact: Any, actions: list[Any]) -> None:
         life = self.life
+        self.check_held(before, fact, actions)
         if life.closed and not (life.phase is lc.Phase.ENDED and self.finished):
             raise InvariantBroken(f"closed while {life.phase}, its Finish not carried out")
         if before.closed and not life.closed:
@@ -413,10 +434,8 @@ class World:
         if life.state is JobState.STALLED and life.phase is not lc.Phase.RUNNING:
             raise InvariantBroken(f"'stalled' published while the job is {life.phase}")
         if before.phase is lc.Phase.ENDED:
-            allowed: tuple[type, ...] = (lc.Release, lc.FailTask)  # a lost rank's future too
-            if isinstance(fact, lc.ActionFailed) and fact.action is lc.ActionKind.RELEASE:
-                allowed = (lc.Note, lc.Arm)  # workers the pool failed to take: again, later
-            elif isinstance(fact, lc.ActionFailed) and fact.action is lc.ActionKind.ABORT:
+            allowed: tuple[type, ...] = (lc.FailTask,)  # a lost rank's future
+            if isinstance(fact, lc.ActionFailed) and fact.action is lc.ActionKind.ABORT:
                 allowed = (lc.Note,)  # a stop that failed, answered after the end: said
             if any(not isinstance(a, allowed) for a in actions):
                 raise InvariantBroken(f"an ended job acted: {actions}")
@@ -546,12 +565,11 @@ class World:
         """Let only answers, timers and (if ``cooperate``) the ranks' own ends happen until
         the job ends; the number of events it took. Other jobs end first (a job waits for
         the workers they hold as long as it takes)."""
-        for w in [w for w, j in self.pool.items() if j == "other"]:
-            del self.pool[w]
+        self.others.clear()
         self.pool_changed()
         self.run_queue()
         for n in range(limit):
-            if self.life.closed and not self.life.unreleased:
+            if self.life.closed:
                 return n
             if not self.event(cooperate=cooperate, grow=False):
                 break
@@ -588,10 +606,7 @@ def _sequence(seed: int) -> None:
             world.cancel()
             world.run_queue()
             world.settle(cooperate=False)
-            # (RELEASE gives back, again, workers the pool failed to take: no wait of the job's)
-            stops = [
-                t for t in world.fired_after_cancel if t not in (lc.Timer.STOP, lc.Timer.RELEASE)
-            ]
+            stops = [t for t in world.fired_after_cancel if t is not lc.Timer.STOP]
             if stops or world.fired_after_cancel.count(lc.Timer.STOP) > 1:
                 raise InvariantBroken(
                     "a cancel waited for more than ddp.failure-grace and one worker restart: "
@@ -606,7 +621,7 @@ def _sequence(seed: int) -> None:
         else:
             # The ranks end on their own (no cancel, no kill): the job ends.
             world.settle(cooperate=True)
-        if world.life.held or world.held():
+        if world.life.held:
             raise InvariantBroken("the job ended holding workers")
         # After the end, a worker of its last attempt leaves (a fixed-port worker may come
         # back at its address): what a rank left there fails its future, nothing else moves.
@@ -652,9 +667,9 @@ def test_the_model_catches_a_wrong_error(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_a_grow_never_counts_as_a_failure() -> None:
     p = lc.Policy(min_workers=1, max_workers=3, max_restarts=0, max_resizes=5)
     life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
-    life, _ = lc.step(life, lc.Granted(("a",)), p, 0.0)
+    life, _ = lc.step(life, lc.Offered(("a",)), p, 0.0)
     life, _ = lc.step(life, lc.Placed(0, ("a",)), p, 0.0)
-    life, actions = lc.step(life, lc.Grew(("a", "b")), p, 0.0)
+    life, actions = lc.step(life, lc.Offered(("a", "b")), p, 0.0)
     assert lc.RequestGrow(0) in actions
     grow = RankOutcome(Verdict.GROW, step=40)
     life, actions = lc.step(life, lc.RankEnded(0, 0, grow), p, 0.0)
@@ -671,7 +686,7 @@ def test_too_many_resizes_fail_the_job() -> None:
     p = lc.Policy(min_workers=1, max_workers=2, max_resizes=1)
     life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
     for attempt in range(2):
-        life, _ = lc.step(life, lc.Granted(("a",)), p, 10.0 * attempt)
+        life, _ = lc.step(life, lc.Offered(("a",)), p, 10.0 * attempt)
         life, _ = lc.step(life, lc.Placed(attempt, ("a",)), p, 10.0 * attempt)
         grow = RankOutcome(Verdict.GROW, step=attempt)
         life, actions = lc.step(life, lc.RankEnded(attempt, 0, grow), p, 10.0 * attempt)
@@ -685,7 +700,7 @@ def test_no_resize_limit_when_max_resizes_is_none() -> None:
     p = lc.Policy(min_workers=1, max_workers=2, max_resizes=None)
     life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
     for attempt in range(50):
-        life, _ = lc.step(life, lc.Granted(("a",)), p, 0.0)
+        life, _ = lc.step(life, lc.Offered(("a",)), p, 0.0)
         life, _ = lc.step(life, lc.Placed(attempt, ("a",)), p, 0.0)
         grow = RankOutcome(Verdict.GROW, step=attempt)
         life, _ = lc.step(life, lc.RankEnded(attempt, 0, grow), p, 0.0)
@@ -697,7 +712,7 @@ def test_no_resize_limit_when_max_resizes_is_none() -> None:
 def test_cancel_while_placing_never_submits_the_attempt() -> None:
     p = lc.Policy(min_workers=2, max_workers=2, failure_grace=5.0)
     life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
-    life, _ = lc.step(life, lc.Granted(("a", "b")), p, 0.0)
+    life, _ = lc.step(life, lc.Offered(("a", "b")), p, 0.0)
     life, actions = lc.step(life, lc.CancelAsked("stop"), p, 0.0)
     assert actions == [] and life.phase is lc.Phase.PLACING  # the launcher is probing
     life, actions = lc.step(life, lc.Prepared(0), p, 0.0)
@@ -711,7 +726,7 @@ def test_cancel_while_placing_never_submits_the_attempt() -> None:
 def test_cancel_between_submit_and_placed_stops_the_attempt_once_placed() -> None:
     p = lc.Policy(min_workers=2, max_workers=2, failure_grace=5.0)
     life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
-    life, _ = lc.step(life, lc.Granted(("a", "b")), p, 0.0)
+    life, _ = lc.step(life, lc.Offered(("a", "b")), p, 0.0)
     life, actions = lc.step(life, lc.Prepared(0), p, 0.0)
     assert actions == [lc.Submit(0)]
     life, actions = lc.step(life, lc.CancelAsked("stop"), p, 0.0)

@@ -1,7 +1,7 @@
 """A job's life as one pure function: a typed fact in, the job's next life and actions out.
 
 Everything that can happen to a job arrives at its supervisor as a *fact* (a rank started
-or ended, a task ended, a worker left or joined, the pool granted workers, cancel was
+or ended, a task ended, a worker left or joined, the pool offered free workers, cancel was
 asked, the last client left, a timer fired, an action finished or failed). :func:`step`
 decides what it means, and only it::
 
@@ -24,9 +24,9 @@ The phases of a job, inside its public :class:`~dask_ddp.JobState`::
               ^          |                     |
               +----------+---------------------+   (the next attempt: restart or resize)
 
-- ``waiting``: the pool has not granted the workers (the job holds those it kept from its
+- ``waiting``: the pool has not offered the workers (the job holds those it kept from its
   last attempt, if any).
-- ``placing``: the pool granted them; the launcher probes and opens the store
+- ``placing``: the job took the workers the pool offered; the launcher probes and opens the store
   (:class:`Place` -> :class:`Prepared`), then submits the rank tasks (:class:`Submit` ->
   :class:`Placed`), unless the job was cancelled meanwhile: then nothing is submitted or
   published, and the job ends at once (:class:`Discard`).
@@ -77,8 +77,6 @@ class Phase(str, enum.Enum):
     ENDED = "ended"
 
 
-_RELEASE_AGAIN = 1.0  # seconds before giving back workers the pool failed to take is retried
-
 #: Seconds past ``ddp.failure-grace`` before the workers of ranks that did not stop are
 #: restarted: by then each worker has killed its rank's process tree, so a rank task still
 #: running means the worker itself does not answer.
@@ -93,7 +91,6 @@ class Timer(str, enum.Enum):
     STOP = "stop"  # the ranks were asked to stop: after this, their workers are restarted
     SCALE = "scale"  # the cluster is smaller than the job needs: after this, it fails
     ORPHAN = "orphan"  # no client follows the job: after this, it is cancelled
-    RELEASE = "release"  # giving workers back failed: after this, it is tried again
 
 
 class WaitKind(str, enum.Enum):
@@ -225,7 +222,7 @@ class Life:
     state: JobState = JobState.WAITING  # the last state published
     attempt: int = 0
     ranks: tuple[RankLife, ...] = ()
-    held: frozenset[str] = frozenset()  # the workers the pool gave the job
+    held: frozenset[str] = frozenset()  # the workers the job holds: their only record
     restarts_left: int = 0
     resizes: tuple[float, ...] = ()  # when each resize was decided
     cancel: str | None = None
@@ -238,7 +235,6 @@ class Life:
     tokens: int = 0
     restarting: frozenset[str] = frozenset()  # workers asked to restart, not yet answered
     stalled: bool = False  # the running attempt is stalled (published: JobState.STALLED)
-    unreleased: frozenset[str] = frozenset()  # given back, but the pool failed to take them
     closed: bool = False  # ended, and its Finish carried out: nothing of it is left running
 
     @classmethod
@@ -258,8 +254,8 @@ class Start:
 
 @dataclasses.dataclass(frozen=True)
 class Short:
-    """The pool could not grant the workers at once; the cluster has ``cluster`` workers
-    (those kept out of every job not counted)."""
+    """The pool could not offer the workers asked for at once; the cluster has ``cluster``
+    workers (those kept out of every job not counted)."""
 
     cluster: int
 
@@ -273,15 +269,10 @@ class ClusterChanged:
 
 
 @dataclasses.dataclass(frozen=True)
-class Granted:
-    """The pool gave the job ``workers`` (every worker it holds now)."""
-
-    workers: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Grew:
-    """An elastic job took more free workers: it holds ``workers`` now."""
+class Offered:
+    """The pool offers the job ``workers``: those it holds, then free ones (no job holds
+    them), in rank order, as many as it asked for. The job takes them by holding them
+    (:attr:`Life.held`, the only record of who holds a worker), or leaves them free."""
 
     workers: tuple[str, ...]
 
@@ -413,15 +404,14 @@ class ActionKind(str, enum.Enum):
     ABORT = "abort"
     RESTART = "restart"
     GROW = "grow"
-    RELEASE = "release"
     PUBLISH = "publish"
     FAIL_TASK = "fail-task"
 
 
 @dataclasses.dataclass(frozen=True)
 class ActionFailed:
-    """An action could not be carried out. ``workers``: those it was for (``RELEASE``,
-    ``RESTART``), or, for ``PLACE``, the attempt's workers that had left the cluster when it
+    """An action could not be carried out. ``workers``: those it was for (``RESTART``), or,
+    for ``PLACE``, the attempt's workers that had left the cluster when it
     failed; ``error``: the exception, for the job's error."""
 
     action: ActionKind
@@ -435,8 +425,7 @@ Fact = (
     Start
     | Short
     | ClusterChanged
-    | Granted
-    | Grew
+    | Offered
     | Prepared
     | Placed
     | RankStarted
@@ -460,7 +449,8 @@ Fact = (
 @dataclasses.dataclass(frozen=True)
 class Ask:
     """Ask the pool for ``want`` workers in all, at least ``need`` (those the job holds
-    count): :class:`Granted` at once or later, else :class:`Short` now."""
+    count): :class:`Offered` once free ones suffice; :class:`Short` if they do not at
+    first."""
 
     attempt: int
     want: int
@@ -535,7 +525,8 @@ class FailTask:
 
 @dataclasses.dataclass(frozen=True)
 class Release:
-    """Give ``workers`` back to the pool: they are clean."""
+    """The job gave ``workers`` back (it no longer holds them: they are clean): the pool
+    offers them to the jobs that wait."""
 
     workers: frozenset[str]
 
@@ -550,8 +541,8 @@ class Quarantine:
 
 @dataclasses.dataclass(frozen=True)
 class TakeMore:
-    """Take free workers until the job holds ``want`` (at least ``need``): :class:`Grew`,
-    or nothing."""
+    """Ask the pool, once, for free workers until the job holds ``want`` (at least
+    ``need``): :class:`Offered` if there are, else nothing."""
 
     want: int
     need: int
@@ -671,7 +662,7 @@ def step(life: Life, fact: Fact, policy: Policy, now: float) -> tuple[Life, list
     >>> life, actions = step(Life.new(p), Start(), p, 0.0)
     >>> life.phase.value, actions
     ('waiting', [Ask(attempt=0, want=2, need=2)])
-    >>> life, actions = step(life, Granted(("a", "b")), p, 0.0)
+    >>> life, actions = step(life, Offered(("a", "b")), p, 0.0)
     >>> life.phase.value, actions
     ('placing', [Place(attempt=0, workers=('a', 'b'))])
     """
@@ -729,28 +720,27 @@ class _Step:
         ):
             self.actions.append(TakeMore(self.policy.max_workers, len(life.held) + 1))
 
-    def on_Granted(self, fact: Granted) -> None:
+    def on_Offered(self, fact: Offered) -> None:
+        """The job takes the workers by holding them: a waiting job places its attempt on
+        them, a running elastic job grows onto them at its next checkpoint. A job that
+        wants them no more leaves them free (nothing to give back: it never held them)."""
         life = self.life
         workers = frozenset(fact.workers)
-        if life.phase is not Phase.WAITING:  # a grant nobody waits for any more
-            self.release(workers - life.held if life.phase is not Phase.ENDED else workers)
-            return
-        self.disarm(Timer.SCALE)
-        self.set(phase=Phase.PLACING, held=workers, wait=None, short_since=None)
-        self.actions.append(Place(life.attempt, tuple(fact.workers)))
-        self.demand()
-
-    def on_Grew(self, fact: Grew) -> None:
-        life = self.life
-        workers = frozenset(fact.workers)
-        if life.phase is Phase.ENDED:
-            self.release(workers)
-            return
-        self.set(held=life.held | workers)
-        if life.phase is Phase.RUNNING and life.ending is None and not life.grow_requested:
-            self.set(grow_requested=True)
+        if life.phase is Phase.WAITING and len(workers) >= self.need():
+            self.disarm(Timer.SCALE)
+            self.set(phase=Phase.PLACING, held=workers, wait=None, short_since=None)
+            self.actions.append(Place(life.attempt, tuple(fact.workers)))
+            self.demand()
+        elif (
+            life.phase is Phase.RUNNING
+            and self.policy.elastic
+            and life.ending is None
+            and not life.grow_requested
+            and not workers <= life.held
+        ):
+            self.set(held=life.held | workers, grow_requested=True)
             self.actions.append(RequestGrow(life.attempt))
-        self.demand()
+            self.demand()
 
     def on_Prepared(self, fact: Prepared) -> None:
         life = self.life
@@ -951,9 +941,6 @@ class _Step:
                 self.actions.append(RestartWorkers(life.attempt, stuck))
         elif fact.timer in (Timer.GRACE, Timer.DRAIN) and life.phase is Phase.RUNNING:
             self.evaluate(grace_over=fact.timer is Timer.GRACE, drain_over=True)
-        elif fact.timer is Timer.RELEASE and life.unreleased:
-            self.set(unreleased=frozenset())
-            self.release(life.unreleased)
 
     def on_ActionFailed(self, fact: ActionFailed) -> None:
         life = self.life
@@ -991,15 +978,6 @@ class _Step:
             self.progress()
         elif fact.action is ActionKind.ABORT:
             self.actions.append(Note(f"stopping attempt {fact.attempt}'s ranks: {fact.why}"))
-        elif fact.action is ActionKind.RELEASE:  # never held for good: tried again, 1 s on
-            self.set(unreleased=life.unreleased | fact.workers)
-            self.actions.append(
-                Note(
-                    f"giving back workers {sorted(fact.workers)} failed ({fact.why}); again in 1 s"
-                )
-            )
-            if life.armed(Timer.RELEASE) is None:
-                self.arm(Timer.RELEASE, _RELEASE_AGAIN)
         elif fact.action in (ActionKind.PUBLISH, ActionKind.FAIL_TASK):
             # The job's life goes on as decided; its clients are told what could not be done.
             self.actions.append(Note(f"{fact.action.value} failed: {fact.why}"))
@@ -1190,7 +1168,7 @@ class _Step:
         never_placed = life.attempt == 0 and not life.ranks
         self.disarm(*(t for t, _ in life.timers))
         self.release(life.held)
-        self.set(phase=Phase.ENDED, held=frozenset(), ending=ending, next_state=state)
+        self.set(phase=Phase.ENDED, ending=ending, next_state=state)
         error = self.publish(state, self.reason(state, ending), ending)
         self.actions.append(Finish(error if state is JobState.FAILED and never_placed else None))
 
@@ -1226,8 +1204,10 @@ class _Step:
             self.actions.append(Waiting(wait, left, announce))
 
     def release(self, workers: Iterable[str]) -> None:
+        """The job holds ``workers`` no more: they are free (the pool hears of it)."""
         workers = frozenset(workers)
         if workers:
+            self.set(held=self.life.held - workers)
             self.actions.append(Release(workers))
 
     def demand(self) -> None:

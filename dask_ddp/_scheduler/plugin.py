@@ -103,7 +103,9 @@ class DaskDDPPlugin(SchedulerPlugin):
     # -- life --------------------------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.pool = WorkerPool(scheduler, on_change=self._workers_changed)
+        self.pool = WorkerPool(
+            scheduler, jobs=lambda: self.jobs.values(), on_change=self._workers_changed
+        )
         for what, handler in (
             ("launch", self._handle_launch),
             ("cancel", self._handle_cancel),

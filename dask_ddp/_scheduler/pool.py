@@ -1,12 +1,19 @@
-"""The cluster's workers as jobs hold them: whole sets, decided in the scheduler's memory.
+"""The cluster's workers as jobs hold them: whole sets, offered in the scheduler's memory.
 
 A job's ranks each need a worker of their own, and a job takes its workers whole: it gets
 at least the number it needs at once and keeps them, or nothing (no job ever holds some
 workers while it waits for workers another job holds, so concurrent jobs run one after the
 other instead of deadlocking at the rendezvous). :class:`WorkerPool` lives in the
-scheduler plugin, beside the ``add_worker``/``remove_worker`` hooks: a request that cannot
-be met waits in launch order and is granted, in the same tick, when a worker joins or a job
-gives workers back.
+scheduler plugin, beside the ``add_worker``/``remove_worker`` hooks.
+
+Which job holds which worker is written in one place: each job's life
+(:attr:`dask_ddp._scheduler.lifecycle.Life.held`). The pool keeps no such record; it asks
+the lives. It keeps the requests, in the order they were made, and offers free workers to
+them in a pass of its own on the scheduler's loop, one job at a time: the job takes an
+offer in its step (an :class:`~dask_ddp._scheduler.lifecycle.Offered` fact), so its life
+holds the workers before the next request is looked at, and no worker is offered twice.
+A pass runs soon after a request is made, a worker joins or leaves, or a job gives workers
+back; never inside a job's step.
 
 While a job waits (or an elastic job runs below its size), its missing workers are demand
 that Dask's adaptive scaling sees: one placeholder task per missing worker, restricted to a
@@ -22,7 +29,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -34,48 +41,68 @@ def _placeholder() -> None:  # pragma: no cover - never runs (its resource does 
     return None
 
 
-@dataclasses.dataclass
-class _Request:
-    """A job's wish: up to ``want`` workers in all, at least ``need``, from ``candidates()``;
-    ``on_grant(workers)`` once they are its; ``demand``: more workers would help it (not so
-    for a job that names its workers)."""
+class Holder(Protocol):
+    """A job as the pool sees it (:class:`dask_ddp._scheduler.supervisor.Supervisor`)."""
 
     job_id: str
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The workers it holds: its life's record, the only one."""
+        ...
+
+
+@dataclasses.dataclass
+class _Request:
+    """A job's wish: up to ``want`` workers in all, at least ``need``, from ``candidates()``
+    (in their order); ``on_offer(workers)``: the offer, for the job to take in its step;
+    ``on_short(cluster)``: the first pass could not offer them (None: a single look, dropped
+    if it finds nothing); ``demand``: more workers would help it (not so for a job that
+    names its workers)."""
+
+    job: Holder
     candidates: Callable[[], list[str]]
     want: int
     need: int
-    on_grant: Callable[[list[str]], None]
+    on_offer: Callable[[list[str]], None]
+    on_short: Callable[[int], None] | None
     demand: bool = True
-
-
-QUARANTINED = "<quarantined>"  # the holder of workers no job may use (see WorkerPool.quarantine)
+    looked: bool = False  # a pass looked at it and could not offer the workers
 
 
 class WorkerPool:
-    """Which job holds which worker, and the requests waiting for workers.
+    """The requests waiting for workers, offered the free ones; the workers kept out.
 
     Parameters
     ----------
     scheduler : distributed.Scheduler
         Its ``workers`` table is the pool's view of the cluster.
+    jobs : callable
+        The jobs there are (:class:`Holder`): what they hold is what is not free.
     on_change : callable
         Called with no argument after every change of the workers (joined, left, given
-        back), once the waiting requests that could be met were granted: running jobs
+        back), once the waiting requests that could be met were offered them: running jobs
         look again (an elastic job may grow).
 
     Examples
     --------
-    >>> pool = WorkerPool(scheduler, on_change=lambda: None)  # doctest: +SKIP
-    >>> pool.take("3f2a", ["tcp://a:1", "tcp://a:2"], want=2, need=2)  # doctest: +SKIP
-    ['tcp://a:1', 'tcp://a:2']
-    >>> pool.release("3f2a")  # doctest: +SKIP
+    >>> pool = WorkerPool(scheduler, jobs=jobs.values, on_change=look_again)  # doctest: +SKIP
+    >>> pool.ask(job, candidates, want=2, need=2, on_offer=take, on_short=wait)  # doctest: +SKIP
     """
 
-    def __init__(self, scheduler: Any, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        jobs: Callable[[], Iterable[Holder]],
+        on_change: Callable[[], None],
+    ) -> None:
         self.scheduler = scheduler
-        self.holder: dict[str, str] = {}  # worker address -> job id
+        self._jobs = jobs
+        self._quarantined: set[str] = set()
         self._requests: dict[str, _Request] = {}  # in the order they were made
         self._on_change = on_change
+        self._pass: asyncio.Handle | None = None  # a pass due on the loop
+        self._tell = False  # the pass due tells the running jobs (workers changed)
         self._client: Any = None
         self._placeholders: dict[str, list[Any]] = {}  # job id -> placeholder futures
         self._growing: dict[str, int] = {}  # job id -> workers a running elastic job lacks
@@ -85,88 +112,68 @@ class WorkerPool:
         """The plugin's own client, which submits and cancels placeholders."""
         self._client = client
 
-    # -- holding ---------------------------------------------------------------------------
-    def held(self, job_id: str) -> list[str]:
-        """The workers ``job_id`` holds, in the order it took them."""
-        return [a for a, j in self.holder.items() if j == job_id]
+    # -- holding: what the jobs' lives say -------------------------------------------------
+    def holders(self) -> dict[str, str]:
+        """Worker address -> the job that holds it, read off every job's life."""
+        return {address: job.job_id for job in self._jobs() for address in job.held}
 
     def quarantined(self) -> list[str]:
         """Workers kept out of every job (:meth:`quarantine`)."""
-        return self.held(QUARANTINED)
+        return sorted(self._quarantined)
+
+    def usable(self) -> int:
+        """The cluster's workers, less those kept out of every job."""
+        return len(self.scheduler.workers) - len(self._quarantined)
 
     def free(self) -> list[str]:
-        """Workers no job holds."""
-        return [a for a in self.scheduler.workers if a not in self.holder]
-
-    def take(
-        self, job_id: str, candidates: Iterable[str], *, want: int, need: int
-    ) -> list[str] | None:
-        """Give ``job_id`` free workers among ``candidates`` (in their order) until it holds
-        ``want``; if it then holds at least ``need`` return all it holds, else take nothing
-        and return None. Never waits."""
-        held = self.held(job_id)
-        new = []
-        for address in candidates:
-            if len(held) + len(new) >= want:
-                break
-            if address in self.scheduler.workers and address not in self.holder:
-                new.append(address)
-        if len(held) + len(new) < need:
-            return None
-        for address in new:
-            self.holder[address] = job_id
-        if new:
-            logger.debug("job %s: took %s", job_id, new)
-        return held + new
-
-    def release(self, job_id: str, addresses: Iterable[str] | None = None) -> None:
-        """Give back ``addresses`` (default: every worker ``job_id`` holds)."""
-        gone = self.held(job_id) if addresses is None else list(addresses)
-        changed = False
-        for address in gone:
-            if self.holder.get(address) == job_id:
-                del self.holder[address]
-                changed = True
-        if changed:
-            self.changed()
+        """Workers no job holds and none is kept out of."""
+        taken = self.holders().keys() | self._quarantined
+        return [a for a in self.scheduler.workers if a not in taken]
 
     def quarantine(self, job_id: str, addresses: Iterable[str]) -> None:
         """Keep ``addresses`` out of every job until they leave the cluster: a rank of
         ``job_id`` there could be neither stopped nor its worker restarted, and a job
         placed there would wait on it. Adaptive scaling may close them."""
         for address in addresses:
-            if address in self.scheduler.workers and self.holder.get(address) in (job_id, None):
-                self.holder[address] = QUARANTINED
+            if address in self.scheduler.workers:
+                self._quarantined.add(address)
                 logger.warning(
                     "dask-ddp: worker %s is kept out of dask-ddp jobs: job %s's rank there did "
                     "not stop and the worker could not be restarted; restart it "
                     "(client.restart_workers) or let it go, and it is used again",
                     address, job_id,
                 )  # fmt: skip
+        self.changed()
 
     def protect(self, workers: list[Any]) -> list[Any]:
         """Of ``workers`` (``WorkerState``s adaptive scale-down would close), those no job
         holds: a job's workers stay, between two of its placements too."""
-        return [ws for ws in workers if self.holder.get(ws.address, QUARANTINED) == QUARANTINED]
+        held = self.holders()
+        return [ws for ws in workers if ws.address not in held]
 
-    # -- waiting ---------------------------------------------------------------------------
+    # -- asking ----------------------------------------------------------------------------
     def ask(
         self,
-        job_id: str,
+        job: Holder,
         candidates: Callable[[], list[str]],
         *,
         want: int,
         need: int,
-        on_grant: Callable[[list[str]], None],
+        on_offer: Callable[[list[str]], None],
+        on_short: Callable[[int], None] | None = None,
         demand: bool = True,
     ) -> None:
-        """A request granted as soon as ``take`` would succeed, in the order requests were
-        made: ``on_grant(workers)`` is called then, with every worker the job holds.
+        """Offer ``job`` workers among ``candidates()`` as soon as it can hold at least
+        ``need`` (at most ``want``; those it holds count), in the order requests were made:
+        ``on_offer(workers)``, with every worker it would hold. If the first pass cannot,
+        ``on_short(cluster)``, and the request waits; without ``on_short`` it is dropped.
         Meanwhile the missing workers are adaptive scaling's demand (unless ``demand`` is
-        false)."""
-        self._requests.pop(job_id, None)
-        self._requests[job_id] = _Request(job_id, candidates, want, need, on_grant, demand)
-        self._grant()
+        false). A job's new request replaces its last."""
+        self._requests.pop(job.job_id, None)
+        self._requests[job.job_id] = _Request(
+            job, candidates, want, need, on_offer, on_short, demand
+        )
+        self._soon()
         self._update_demand()
 
     def withdraw(self, job_id: str) -> None:
@@ -175,15 +182,14 @@ class WorkerPool:
         self._update_demand()
 
     def changed(self) -> None:
-        """Workers joined, left or were given back: grant what can be granted now, then
-        tell the running jobs."""
-        self._grant()
-        self._update_demand()
-        self._on_change()
+        """Workers joined, left, were given back or kept out: offer what can be offered
+        now, then tell the running jobs (soon, on the loop: never inside a job's step)."""
+        self._tell = True
+        self._soon()
 
-    def remove_worker(self, address: str) -> str | None:
-        """A worker left the cluster: forget it; return the job that held it, if any."""
-        return self.holder.pop(address, None)
+    def remove_worker(self, address: str) -> None:
+        """A worker left the cluster (the jobs that held it hear of it themselves)."""
+        self._quarantined.discard(address)
 
     def add_worker(self, address: str) -> None:
         """A worker joined: whoever waits for its name to come back hears of it."""
@@ -199,18 +205,57 @@ class WorkerPool:
         self._returning.setdefault(name, []).append(future)
         return future
 
-    def _grant(self) -> None:
+    # -- offering --------------------------------------------------------------------------
+    def _soon(self) -> None:
+        if self._pass is None:
+            self._pass = asyncio.get_running_loop().call_soon(self._offer_all)
+
+    def _offer_all(self) -> None:
+        """One pass: each request in turn is offered what is free now, and its job takes
+        the offer (in its step, fed at once: no job steps while the loop runs this) before
+        the next request is looked at."""
+        self._pass = None
+        tell, self._tell = self._tell, False
         for job_id, request in list(self._requests.items()):
-            workers = self.take(job_id, request.candidates(), want=request.want, need=request.need)
+            if self._requests.get(job_id) is not request:
+                continue  # withdrawn or replaced by a job that took an offer before it
+            workers = self._offer(request)
             if workers is not None:
                 del self._requests[job_id]
-                request.on_grant(workers)
+                logger.debug("job %s: offered %s", job_id, workers)
+                request.on_offer(workers)
+            elif request.on_short is None:
+                del self._requests[job_id]
+            elif not request.looked:
+                request.looked = True
+                request.on_short(self.usable())
+        self._update_demand()
+        if tell:
+            self._on_change()
+
+    def _offer(self, request: _Request) -> list[str] | None:
+        """The workers ``request``'s job would hold: those it holds (still there), then free
+        candidates, until it holds ``want``; None if that is fewer than ``need``."""
+        workers = self.scheduler.workers
+        candidates = request.candidates()
+        mine = [a for a in candidates if a in request.job.held and a in workers]
+        mine += sorted(a for a in request.job.held if a in workers and a not in mine)
+        taken = self.holders().keys() | self._quarantined
+        new: list[str] = []
+        for address in candidates:
+            if len(mine) + len(new) >= request.want:
+                break
+            if address in workers and address not in taken and address not in new:
+                new.append(address)
+        if len(mine) + len(new) < request.need:
+            return None
+        return mine + new
 
     # -- adaptive demand -------------------------------------------------------------------
     def missing(self) -> dict[str, int]:
         """Workers each waiting job still lacks, beyond what the cluster has free."""
         return {
-            job_id: max(0, r.want - len(self.held(job_id)))
+            job_id: max(0, r.want - len(r.job.held))
             for job_id, r in self._requests.items()
             if r.demand
         }
@@ -249,7 +294,6 @@ class WorkerPool:
                 del self._placeholders[job_id]
 
     def forget(self, job_id: str) -> None:
-        """``job_id`` ended: no request, no demand, no worker."""
+        """``job_id`` ended: no request, no demand (its life holds no worker)."""
         self._growing.pop(job_id, None)
         self.withdraw(job_id)
-        self.release(job_id)

@@ -76,8 +76,6 @@ def _failed(action: lc.Action, exc: Exception) -> lc.ActionFailed | None:
     """The fact that ``action``, carried out at once, raised ``exc`` (None for actions
     whose failure changes nothing of the job's life: a timer, a note)."""
     why = f"{type(exc).__name__}: {exc}"
-    if isinstance(action, lc.Release):
-        return lc.ActionFailed(lc.ActionKind.RELEASE, workers=action.workers, error=exc, why=why)
     if isinstance(action, lc.Publish):
         return lc.ActionFailed(lc.ActionKind.PUBLISH, action.attempt, error=exc, why=why)
     if isinstance(action, lc.FailTask):
@@ -160,6 +158,11 @@ class Supervisor:
     def state(self) -> JobState:
         """The job's state, as it was last published."""
         return self.life.state
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The workers the job holds: its life's record, which the pool asks."""
+        return self.life.held
 
     # -- facts: what the plugin tells it (hooks on the scheduler's loop: never block) ---------
     @property
@@ -275,7 +278,7 @@ class Supervisor:
     def workers_changed(self) -> None:
         """Workers joined, left or were given back (a waiting job looks again; an elastic
         one may grow)."""
-        self.feed(lc.ClusterChanged(self._usable()))
+        self.feed(lc.ClusterChanged(self.plugin.pool.usable()))
 
     def follow(self, client: str) -> None:
         """A client attached: the job is followed again."""
@@ -320,13 +323,17 @@ class Supervisor:
         elif isinstance(action, lc.FailTask):
             self._fail_task(action)
         elif isinstance(action, lc.Release):
-            pool.release(self.job_id, action.workers)
+            pool.changed()
         elif isinstance(action, lc.Quarantine):
             pool.quarantine(self.job_id, action.workers)
         elif isinstance(action, lc.TakeMore):
             self._take_more(action)
         elif isinstance(action, lc.RequestGrow):
             a = self.attempt
+            logger.info(
+                "dask-ddp job %s: more workers free; the job grows to %d ranks at its next "
+                "checkpoint", self.job_id, len(self.life.held),
+            )  # fmt: skip
             if a is not None and a.number == action.attempt:
                 self._spawn(self.launcher.request_grow(a), lc.ActionKind.GROW, a.number)
         elif isinstance(action, lc.Demand):
@@ -410,40 +417,30 @@ class Supervisor:
         self.feed(lc.Stalled(a.number, idle, tuple(causes), tuple(where), tuple(waiting)))
 
     def _ask(self, action: lc.Ask) -> None:
-        pool, number = self.plugin.pool, action.attempt
-        got = pool.take(self.job_id, self._candidates(number), want=action.want, need=action.need)
-        if got is not None:
-            self.feed(lc.Granted(tuple(got)))
-            return
+        number = action.attempt
         named = number == 0 and isinstance(self.spec.workers, list)
-        pool.ask(
-            self.job_id,
+        self.plugin.pool.ask(
+            self,
             lambda: self._candidates(number),
             want=action.want,
             need=action.need,
-            on_grant=lambda workers: self.feed(lc.Granted(tuple(workers))),
+            on_offer=self._offered,
+            on_short=lambda cluster: self.feed(lc.Short(cluster)),
             demand=not named,
         )
-        self.feed(lc.Short(self._usable()))
-
-    def _usable(self) -> int:
-        """The cluster's workers, less those kept out of every job."""
-        return len(self.plugin.scheduler.workers) - len(self.plugin.pool.quarantined())
 
     def _take_more(self, action: lc.TakeMore) -> None:
-        pool = self.plugin.pool
-        if not pool.free():
-            return
-        held = len(pool.held(self.job_id))
         number = self.life.attempt + 1
-        got = pool.take(self.job_id, self._candidates(number), want=action.want, need=action.need)
-        if got is None:
-            return
-        logger.info(
-            "dask-ddp job %s: %d more workers free; the job grows to %d ranks at its next "
-            "checkpoint", self.job_id, len(got) - held, len(got),
-        )  # fmt: skip
-        self.feed(lc.Grew(tuple(got)))
+        self.plugin.pool.ask(
+            self,
+            lambda: self._candidates(number),
+            want=action.want,
+            need=action.need,
+            on_offer=self._offered,
+        )
+
+    def _offered(self, workers: list[str]) -> None:
+        self.feed(lc.Offered(tuple(workers)))
 
     async def _place(self, action: lc.Place) -> None:
         """Probe, open the store, plan, submit: the attempt is placed (a fact), then its
@@ -597,9 +594,9 @@ class Supervisor:
         if number == 0 and isinstance(self.spec.workers, list):
             return list(self.spec.workers)
         workers = self.plugin.scheduler.workers
-        held = [w for w in self.plugin.pool.held(self.job_id) if w in workers]
         ordered = order_workers([WorkerInfo(a, ws.host) for a, ws in workers.items()])
-        return held + [w.address for w in ordered if w.address not in held]
+        held = [w.address for w in ordered if w.address in self.life.held]
+        return held + [w.address for w in ordered if w.address not in self.life.held]
 
     # -- checkpoints the ranks told of --------------------------------------------------------
     def _replicated(self, rank: int, step: int, holder: str, world: int | None) -> None:
