@@ -58,7 +58,7 @@ class Job:
         for other in world.jobs.values():
             if other is not self and new & other.held:
                 world.broken.append(f"{self.job_id} offered {new & other.held}, {other.job_id}'s")
-        if new & world.pool._quarantined:
+        if new & world.pool.quarantined():
             world.broken.append(f"{self.job_id} offered {new}, kept out of every job")
         if not self.waiting:
             return
@@ -144,8 +144,8 @@ class World:
                 if address in seen:
                     raise Broken(f"{address} held by {seen[address]} and {job.job_id}")
                 seen[address] = job.job_id
-        if seen.keys() & self.pool._quarantined:
-            raise Broken(f"{seen.keys() & self.pool._quarantined} held and kept out")
+        if seen.keys() & self.pool.quarantined():
+            raise Broken(f"{seen.keys() & self.pool.quarantined()} held and kept out")
         if self.pool.holders() != seen:
             raise Broken(f"the pool reads {self.pool.holders()}, the jobs hold {seen}")
         if not passed:

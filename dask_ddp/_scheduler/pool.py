@@ -117,9 +117,9 @@ class WorkerPool:
         """Worker address -> the job that holds it, read off every job's life."""
         return {address: job.job_id for job in self._jobs() for address in job.held}
 
-    def quarantined(self) -> list[str]:
+    def quarantined(self) -> frozenset[str]:
         """Workers kept out of every job (:meth:`quarantine`)."""
-        return sorted(self._quarantined)
+        return frozenset(self._quarantined)
 
     def usable(self) -> int:
         """The cluster's workers, less those kept out of every job."""
@@ -236,17 +236,11 @@ class WorkerPool:
     def _offer(self, request: _Request) -> list[str] | None:
         """The workers ``request``'s job would hold: those it holds (still there), then free
         candidates, until it holds ``want``; None if that is fewer than ``need``."""
-        workers = self.scheduler.workers
-        candidates = request.candidates()
-        mine = [a for a in candidates if a in request.job.held and a in workers]
-        mine += sorted(a for a in request.job.held if a in workers and a not in mine)
-        taken = self.holders().keys() | self._quarantined
-        new: list[str] = []
-        for address in candidates:
-            if len(mine) + len(new) >= request.want:
-                break
-            if address in workers and address not in taken and address not in new:
-                new.append(address)
+        workers, held, free = self.scheduler.workers, request.job.held, set(self.free())
+        candidates = list(dict.fromkeys(request.candidates()))
+        mine = [a for a in candidates if a in held and a in workers]
+        mine += sorted(a for a in held if a in workers and a not in mine)
+        new = [a for a in candidates if a in free][: max(0, request.want - len(mine))]
         if len(mine) + len(new) < request.need:
             return None
         return mine + new

@@ -302,7 +302,7 @@ class Supervisor:
     def _act(self, action: lc.Action) -> None:
         pool = self.plugin.pool
         if isinstance(action, lc.Ask):
-            self._ask(action)
+            self._ask(action.attempt, action.want, action.need, waits=True)
         elif isinstance(action, lc.Withdraw):
             pool.withdraw(self.job_id)
         elif isinstance(action, lc.Place):
@@ -327,7 +327,7 @@ class Supervisor:
         elif isinstance(action, lc.Quarantine):
             pool.quarantine(self.job_id, action.workers)
         elif isinstance(action, lc.TakeMore):
-            self._take_more(action)
+            self._ask(self.life.attempt + 1, action.want, action.need, waits=False)
         elif isinstance(action, lc.RequestGrow):
             a = self.attempt
             logger.info(
@@ -416,31 +416,20 @@ class Supervisor:
                 where.append(at)
         self.feed(lc.Stalled(a.number, idle, tuple(causes), tuple(where), tuple(waiting)))
 
-    def _ask(self, action: lc.Ask) -> None:
-        number = action.attempt
+    def _ask(self, number: int, want: int, need: int, *, waits: bool) -> None:
+        """Ask the pool for workers for attempt ``number``: :class:`~.lifecycle.Offered`
+        once free ones suffice; if they do not at first, :class:`~.lifecycle.Short` and the
+        request waits (``waits``), else it is dropped (an elastic job's look for more)."""
         named = number == 0 and isinstance(self.spec.workers, list)
         self.plugin.pool.ask(
             self,
             lambda: self._candidates(number),
-            want=action.want,
-            need=action.need,
-            on_offer=self._offered,
-            on_short=lambda cluster: self.feed(lc.Short(cluster)),
+            want=want,
+            need=need,
+            on_offer=lambda workers: self.feed(lc.Offered(tuple(workers))),
+            on_short=(lambda cluster: self.feed(lc.Short(cluster))) if waits else None,
             demand=not named,
         )
-
-    def _take_more(self, action: lc.TakeMore) -> None:
-        number = self.life.attempt + 1
-        self.plugin.pool.ask(
-            self,
-            lambda: self._candidates(number),
-            want=action.want,
-            need=action.need,
-            on_offer=self._offered,
-        )
-
-    def _offered(self, workers: list[str]) -> None:
-        self.feed(lc.Offered(tuple(workers)))
 
     async def _place(self, action: lc.Place) -> None:
         """Probe, open the store, plan, submit: the attempt is placed (a fact), then its
