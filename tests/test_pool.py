@@ -34,12 +34,13 @@ class Job:
     def __init__(self, job_id: str, world: World) -> None:
         self.job_id, self.world = job_id, world
         self.held: frozenset[str] = frozenset()
+        self.want = self.need = 0
         self.waiting = False  # asked, and wants the workers (a cancelled job does not)
         self.shorts = 0
 
     def ask(self, want: int, need: int, *, once: bool = False) -> None:
         pool = self.world.pool
-        self.waiting, self.shorts = True, 0
+        self.waiting, self.shorts, self.want, self.need = True, 0, want, need
         pool.ask(
             self,
             lambda: sorted(pool.scheduler.workers),
@@ -55,6 +56,10 @@ class Job:
         them free."""
         world = self.world
         new = set(workers) - self.held
+        if not self.need <= len(set(workers)) == len(workers) <= self.want:
+            world.broken.append(
+                f"{self.job_id} offered {workers}: want {self.want}, need {self.need}"
+            )
         for other in world.jobs.values():
             if other is not self and new & other.held:
                 world.broken.append(f"{self.job_id} offered {new & other.held}, {other.job_id}'s")
