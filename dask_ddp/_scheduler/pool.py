@@ -167,14 +167,13 @@ class WorkerPool:
         ``need`` (at most ``want``; those it holds count), in the order requests were made:
         ``on_offer(workers)``, with every worker it would hold. If the first pass cannot,
         ``on_short(cluster)``, and the request waits; without ``on_short`` it is dropped.
-        Meanwhile the missing workers are adaptive scaling's demand (unless ``demand`` is
-        false). A job's new request replaces its last."""
+        Once the pass found it short, the missing workers are adaptive scaling's demand
+        (unless ``demand`` is false). A job's new request replaces its last."""
         self._requests.pop(job.job_id, None)
         self._requests[job.job_id] = _Request(
             job, candidates, want, need, on_offer, on_short, demand
         )
-        self._soon()
-        self._update_demand()
+        self._soon()  # the pass updates the demand: none for a request it meets at once
 
     def withdraw(self, job_id: str) -> None:
         """Drop ``job_id``'s request (it was cancelled or timed out)."""

@@ -330,11 +330,11 @@ class Supervisor:
             self._ask(self.life.attempt + 1, action.want, action.need, waits=False)
         elif isinstance(action, lc.RequestGrow):
             a = self.attempt
-            logger.info(
-                "dask-ddp job %s: more workers free; the job grows to %d ranks at its next "
-                "checkpoint", self.job_id, len(self.life.held),
-            )  # fmt: skip
             if a is not None and a.number == action.attempt:
+                logger.info(
+                    "dask-ddp job %s: more workers free; the job grows to %d ranks at its "
+                    "next checkpoint", self.job_id, len(self.life.held),
+                )  # fmt: skip
                 self._spawn(self.launcher.request_grow(a), lc.ActionKind.GROW, a.number)
         elif isinstance(action, lc.Demand):
             pool.demand(self.job_id, action.missing)
@@ -578,14 +578,14 @@ class Supervisor:
         return source, step
 
     def _candidates(self, number: int) -> list[str]:
-        """The workers an attempt may run on: the ones asked for (the first attempt of a job
-        that names its workers), else the ones it holds, then the rest in rank order."""
+        """The workers an attempt may run on, in rank order: the ones asked for (the first
+        attempt of a job that names its workers), else every worker (the pool's offer puts
+        those the job holds first)."""
         if number == 0 and isinstance(self.spec.workers, list):
             return list(self.spec.workers)
         workers = self.plugin.scheduler.workers
         ordered = order_workers([WorkerInfo(a, ws.host) for a, ws in workers.items()])
-        held = [w.address for w in ordered if w.address in self.life.held]
-        return held + [w.address for w in ordered if w.address not in self.life.held]
+        return [w.address for w in ordered]
 
     # -- checkpoints the ranks told of --------------------------------------------------------
     def _replicated(self, rank: int, step: int, holder: str, world: int | None) -> None:
