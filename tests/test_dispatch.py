@@ -53,14 +53,10 @@ async def _worker_state() -> dict:
     import asyncio
     import multiprocessing
 
-    from dask_ddp._rank import rankproc
     from dask_ddp._rank.slot import PROCESS
 
     def daemon() -> bool:
-        # A spare rank process's fork lifts the worker's daemon flag while it runs, under
-        # this lock (the next spare is forked just after a rank's process has gone).
-        with rankproc._refill_lock:
-            return multiprocessing.current_process().daemon
+        return multiprocessing.current_process().daemon
 
     # The last rank's teardown ends just after its task (the worker's loop runs meanwhile).
     assert await asyncio.to_thread(PROCESS.wait_idle, 30)
@@ -445,15 +441,13 @@ def _load_with_workers(context: str | None) -> list[int]:
 
 @pytest.mark.parametrize("context", [None, "fork", "spawn"])
 def test_dataloader_workers_inside_a_daemonic_worker(client: Client, context: str | None) -> None:
-    def daemonic() -> bool:  # the flag is lifted while a spare rank process is forked
+    def daemonic() -> bool:  # the worker's flag is never lifted: its template forks the ranks
         return all(s["daemon"] for s in client.run(_worker_state).values())
 
-    poll_for(daemonic, timeout=30)
+    assert daemonic()
     out = dask_ddp.launch(client, _load_with_workers, args=(context,)).result(timeout=120)
     assert out == [list(range(32))] * 2
-    # Daemonic again once the next spare rank process is forked (the flag is lifted for
-    # each fork only).
-    poll_for(daemonic, timeout=30)
+    assert daemonic()
 
 
 class _ParentPids(torch.utils.data.Dataset):

@@ -259,40 +259,39 @@ def test_a_rank_s_first_full_collection_leaves_the_template_s_objects_alone(
         assert collected >= 1  # the cycle
 
 
-TEMPLATE_SET_UP = """
-import gc, os, sys
-from torch.distributed.distributed_c10d import Backend
-import dask_ddp._rank.template
-from dask_ddp._rank.template import TEMPLATE_MARK
+def _set_up_here(fds: list[int]) -> None:
+    """In a process forked from a fork server: what the template's set-up leaves."""
+    import gc
 
-pid = os.fork()
-if pid == 0:
-    os._exit(0)
-os.waitpid(pid, 0)
-print("GLOO" in Backend._plugins, gc.get_freeze_count() > 0, TEMPLATE_MARK in os.environ)
-"""
+    from torch.distributed.distributed_c10d import Backend
+
+    with os.fdopen(fds[0], "w") as out:
+        out.write(f"{'GLOO' in Backend._plugins} {gc.get_freeze_count() > 0}")
 
 
 @pytest.mark.parametrize("template", [True, False])
 def test_only_the_template_sets_itself_up(template: bool) -> None:
     # The template registers gloo once (torch 2.14 reads every installed package's entry
     # points on a backend's first use: 6-10 ms of each rank's process) and freezes its
-    # objects before each fork; its ranks do not inherit the mark. Any other process that
-    # imports the module (the suite's doctests) is left as it was: its forks would
-    # otherwise freeze its objects for good.
-    import subprocess
+    # objects before each fork. Any other fork server (and any process that imports the
+    # module: the suite's doctests) is left as it was.
+    from dask_ddp._rank import forkserver
 
-    from dask_ddp._rank.template import TEMPLATE_MARK
-
-    env = {k: v for k, v in os.environ.items() if k != TEMPLATE_MARK}
+    preload = ["torch.distributed", "dask_ddp._rank.template"]
     if template:
-        env[TEMPLATE_MARK] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", TEMPLATE_SET_UP], capture_output=True, text=True, timeout=120,
-        env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(template), str(template), "False"]
+        preload.append("dask_ddp._rank.template:prepare")
+    server = forkserver.start(preload)
+    read, write = os.pipe()
+    try:
+        process = forkserver.fork(server.address, _set_up_here, (), [write])
+        os.close(write)
+        process.join(120)
+        with os.fdopen(read) as result:
+            said = result.read().split()
+    finally:
+        server.stop()
+    assert process.exitcode == 0
+    assert said == [str(template), "True"]  # every fork server freezes before it forks
 
 
 def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
@@ -502,8 +501,7 @@ def test_a_template_given_out_is_never_stopped_while_held() -> None:
             time.sleep(0.3)  # the other nanny takes hold and asks for the address meanwhile
             super().stop()
 
-    template = SlowToStop()
-    template.set_forkserver_preload([])  # starts in milliseconds
+    template = SlowToStop(preload=[])  # starts in milliseconds
     template.hold()
     first, _ = template.address()
     letting_go = threading.Thread(target=template.release)
@@ -518,28 +516,51 @@ def test_a_template_given_out_is_never_stopped_while_held() -> None:
         template.release()
 
 
-def test_a_worker_killed_mid_request_leaves_the_template_forking(monkeypatch) -> None:
+def _exit_with(fds: list[int], code: int) -> None:
+    sys.exit(code)
+
+
+def test_a_worker_killed_mid_request_leaves_the_template_forking() -> None:
     # A nanny's template serves every worker in its process: one killed between connecting
     # and sending its request (the suite's worker kills met it twice) ended multiprocessing's
     # forkserver loop (EOFError), and the other workers' next forks were refused.
     import socket
 
-    from dask_ddp._rank import template as _template
+    from dask_ddp._rank import forkserver
 
-    template = _template._Own()
-    template.set_forkserver_preload(["dask_ddp._rank.template"])  # its own set-up, no more
-    address, pid = template.address()
-    monkeypatch.setattr(_template, "_here", template)  # what this process forks from
+    server = forkserver.start([])
     try:
         with socket.socket(socket.AF_UNIX) as cut_off:
-            cut_off.connect(address)  # and gone, as a killed worker's
-        process = _template.TemplateProcess(target=os.getpid)  # served after the cut-off
-        process.start()
+            cut_off.connect(server.address)  # and gone, as a killed worker's
+        with socket.socket(socket.AF_UNIX) as half:
+            half.connect(server.address)
+            half.send(b"\x10\x00")  # the start of a request's length, then gone
+        process = forkserver.fork(server.address, _exit_with, (3,))  # served after them
         process.join(120)
-        assert process.exitcode == 0
-        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # still there
+        assert process.exitcode == 3
+        assert server.running()
     finally:
-        template.stop()
+        server.stop()
+
+
+def _sleeps(fds: list[int]) -> None:
+    time.sleep(60)
+
+
+def test_a_forked_process_s_end_is_told_with_its_signal() -> None:
+    from dask_ddp._rank import forkserver
+
+    server = forkserver.start([])
+    try:
+        process = forkserver.fork(server.address, _sleeps)
+        process.join(0.1)
+        assert process.exitcode is None and process.is_alive()
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+        assert process.exitcode == -signal.SIGKILL
+    finally:
+        server.stop()
+    server.process.wait(30)  # it exits once let go
 
 
 def _use_a_held_store() -> dict[str, Any]:

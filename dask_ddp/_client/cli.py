@@ -755,8 +755,6 @@ def _exit_now(code: int, scratch: str, cluster: Any = None) -> None:
     them still exiting. ``cluster``'s nannies are told first that they are closing, so
     that none starts its worker again meanwhile.
     """
-    from multiprocessing import resource_tracker
-
     import psutil
     from distributed.core import Status
 
@@ -766,17 +764,27 @@ def _exit_now(code: int, scratch: str, cluster: Any = None) -> None:
     # The spawn context's resource tracker goes last, and at once before the exit: this
     # process, reaping its workers, still tells it what they left, and a tracker killed
     # earlier is started again to hear that (printing a traceback for each name).
-    tracker = resource_tracker._resource_tracker._pid  # private: its pid, None if none
     children = psutil.Process().children(recursive=True)
-    _kill_and_wait([c for c in children if c.pid != tracker], _EXIT_WAIT)
-    for child in children:
-        if child.pid == tracker:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
+    trackers = [c for c in children if _is_resource_tracker(c)]
+    _kill_and_wait([c for c in children if c not in trackers], _EXIT_WAIT)
+    for child in trackers:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
     shutil.rmtree(scratch, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _is_resource_tracker(process: Any) -> bool:
+    """Whether ``process`` (a ``psutil.Process``) is multiprocessing's resource tracker (its
+    command line runs ``multiprocessing.resource_tracker``)."""
+    import psutil
+
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
+    except psutil.Error:
+        return False
 
 
 _EXIT_WAIT = 10.0  # seconds: the most the command waits for its killed processes to end

@@ -264,9 +264,10 @@ class Job:
         if self.done():
             return {}
         answers = self.client.run(
-            call, Entry.RANK_STACKS, self.job_id, workers=list(self.workers), on_error="return"
-        )
-        found = [a for a in answers.values() if isinstance(a, tuple)]
+            call, Entry.RANK_STACKS, self.job_id, workers=sorted(set(self.workers)),
+            on_error="return",
+        )  # fmt: skip
+        found = [item for a in answers.values() if isinstance(a, list) for item in a]
         return {rank: text for rank, text in sorted(found)}
 
     def forget(self) -> None:

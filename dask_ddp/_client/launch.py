@@ -101,6 +101,26 @@ def _check_size(
         )
 
 
+def _check_ranks_per_worker(value: Any) -> int | str:
+    """``ranks_per_worker=`` as the job takes it: a whole number of at least 1, or "gpu".
+
+    >>> _check_ranks_per_worker(2), _check_ranks_per_worker("GPU")
+    (2, 'gpu')
+    >>> _check_ranks_per_worker(0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: ranks_per_worker takes a whole number of at least 1, or "gpu" (a rank ...; got 0
+    """
+    if isinstance(value, str) and value.strip().lower() == "gpu":
+        return "gpu"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(
+        'ranks_per_worker takes a whole number of at least 1, or "gpu" (a rank per GPU of '
+        f"each worker); got {value!r}"
+    )
+
+
 def _launched_by() -> str:
     try:
         user = getpass.getuser()
@@ -117,6 +137,7 @@ def launch(
     *,
     workers: int | Sequence[str] | None = None,
     min_workers: int | None = None,
+    ranks_per_worker: int | str = 1,
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
     pass_local_rank: bool = False,
@@ -133,7 +154,8 @@ def launch(
     detach: bool = False,
     stall_timeout: TimeoutLike | None = None,
 ) -> Job:
-    """Run ``fn(*args, **kwargs)`` as one DDP rank on each chosen Dask worker.
+    """Run ``fn(*args, **kwargs)`` as DDP ranks on the chosen Dask workers: one rank on each
+    (``ranks_per_worker=N``: N on each, such as a worker per node holding the node's GPUs).
 
     Each rank gets torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), a GPU of its own at
@@ -165,6 +187,13 @@ def launch(
         Default: ``workers``, a fixed size. The cluster may have fewer than N workers (an
         adaptive cluster grows for the job); fewer than ``min_workers`` for longer than
         ``ddp.scale-timeout`` fails the job with :class:`~dask_ddp.ScaleTimeoutError`.
+    ranks_per_worker : int or "gpu", optional
+        How many ranks each worker runs, each in a process of its own (default 1). ``"gpu"``:
+        as many as the worker has GPUs (its ``GPU`` resource, else the GPUs it sees): one
+        Dask worker per node, ``dask worker --nworkers 1 --resources GPU=8``, trains on all
+        eight. The world size is the workers times this; ``workers=`` and ``min_workers=``
+        (and an elastic job's resizes) still count workers, whole. The ranks of a host see
+        all its GPUs, each its own at ``cuda:LOCAL_RANK`` (docs/placement.md).
     backend : {"gloo", "nccl", "cpu:gloo,cuda:nccl", None}, optional
         torch.distributed backend; ``None`` reads ``ddp.backend`` (default: nccl when every
         worker sees a GPU, else gloo). ``"cpu:gloo,cuda:nccl"`` gives one process group
@@ -290,6 +319,7 @@ def launch(
         kwargs,
         workers=workers,
         min_workers=min_workers,
+        ranks_per_worker=ranks_per_worker,
         backend=backend,
         timeout=timeout,
         pass_local_rank=pass_local_rank,
@@ -321,6 +351,7 @@ def _launch(
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
     min_workers: int | None = None,
+    ranks_per_worker: int | str = 1,
     on_report: Callable[[MetricRecord], Any] | None = None,
     on_output: Callable[[OutputLine], Any] | None = None,
     max_restarts: int = 0,
@@ -348,6 +379,7 @@ def _launch(
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ValueError(f"name= takes a non-empty str; got {name!r}")
     _check_size(workers, min_workers, checkpoint_dir)
+    ranks_per_worker = _check_ranks_per_worker(ranks_per_worker)
     if isinstance(workers, (list, tuple)):
         workers = [str(w) for w in workers]
     payload = _pickled(fn, args, kwargs)
@@ -369,6 +401,7 @@ def _launch(
         settings=settings,
         workers=workers,
         min_workers=min_workers,
+        ranks_per_worker=ranks_per_worker,
         pass_local_rank=pass_local_rank,
         init_process_group=init_process_group,
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
@@ -408,6 +441,7 @@ def launch_script(
     no_python: bool = False,
     workers: int | Sequence[str] | None = None,
     min_workers: int | None = None,
+    ranks_per_worker: int | str = 1,
     backend: str | None = None,
     timeout: TimeoutLike | None = None,
     on_report: Callable[[MetricRecord], Any] | None = None,
@@ -453,7 +487,7 @@ def launch_script(
         ``path args`` as a process of its own with torchrun's environment, on the worker's
         machine (it must be there); its output lines are the rank's, a non-zero exit status
         fails the rank, and it is stopped when the rank is.
-    workers, min_workers, backend, timeout, max_restarts : optional
+    workers, min_workers, ranks_per_worker, backend, timeout, max_restarts : optional
         As for :func:`launch`. A restarted script runs again from its start.
     checkpoint_dir, keep_last, storage_options, checkpoint_mode : optional
         As for :func:`launch`: the script resumes from :func:`dask_ddp.get_checkpoint`, or
@@ -501,8 +535,9 @@ def launch_script(
     """
     return _launch_script(
         client, path, args, module=module, no_python=no_python, workers=workers,
-        min_workers=min_workers, backend=backend, timeout=timeout, on_report=on_report,
-        on_output=on_output, max_restarts=max_restarts, checkpoint_dir=checkpoint_dir,
+        min_workers=min_workers, ranks_per_worker=ranks_per_worker, backend=backend,
+        timeout=timeout, on_report=on_report, on_output=on_output, max_restarts=max_restarts,
+        checkpoint_dir=checkpoint_dir,
         keep_last=keep_last, storage_options=storage_options, checkpoint_mode=checkpoint_mode,
         name=name, detach=detach,
     )  # fmt: skip
@@ -569,6 +604,7 @@ def run(
     *args: Any,
     backend: str | None = None,
     pass_local_rank: bool = False,
+    ranks_per_worker: int | str = 1,
     **kwargs: Any,
 ) -> list[Future]:
     """dask-pytorch-ddp's ``run()``: start ``fn`` on every worker, return the futures.
@@ -576,7 +612,9 @@ def run(
     A drop-in for ``dask_pytorch_ddp.dispatch.run``: same signature, one future per rank in
     rank order, each resolving to that rank's return value. Positional ``args`` reach
     ``fn`` (the predecessor's ``TypeError`` there is fixed), and a failing rank still stops
-    the others. Prefer :func:`launch` for new code: it returns a :class:`~dask_ddp._client.job.Job`.
+    the others. ``ranks_per_worker`` is :func:`launch`'s (a keyword argument of that name
+    is not passed on to ``fn``). Prefer :func:`launch` for new code: it returns a
+    :class:`~dask_ddp._client.job.Job`.
 
     Examples
     --------
@@ -584,5 +622,8 @@ def run(
     >>> futures = dask_ddp.dispatch.run(client, train, cfg)  # doctest: +SKIP
     >>> wait(futures); [f.result() for f in futures]        # doctest: +SKIP
     """
-    job = launch(client, fn, args, kwargs, backend=backend, pass_local_rank=pass_local_rank)
+    job = launch(
+        client, fn, args, kwargs, backend=backend, pass_local_rank=pass_local_rank,
+        ranks_per_worker=ranks_per_worker,
+    )  # fmt: skip
     return job.futures  # waits while other jobs hold its workers

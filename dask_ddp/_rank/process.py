@@ -1,6 +1,5 @@
 """Process-level measures around a rank's own process, in one place.
 
-- :func:`children_allowed`: let a daemonic Dask worker start the rank's process.
 - :func:`platform_start_method`: a rank starts DataLoader workers the way they start under
   torchrun (fork on Linux before Python 3.14), not with the spawn a Dask worker inherits.
 - :func:`is_peer_loss`: recognise a collective that failed because a peer went away.
@@ -8,7 +7,9 @@
 
 (A rank used to run inside its worker's process, which needed more: its gloo sockets
 severed by fd on a stop, torch's group counter reset, forked children's inherited objects
-frozen. A process of its own, ended on a stop, needs none of them.)
+frozen. A process of its own, ended on a stop, needs none of them; and a daemonic worker
+need not be let to start children: its ranks' processes are its template's, a plain
+interpreter's, forked by dask-ddp's own fork server.)
 """
 
 from __future__ import annotations
@@ -22,40 +23,10 @@ from collections.abc import Iterator
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "children_allowed",
-    "children_allowed_here",
     "interface_of",
     "is_peer_loss",
     "platform_start_method",
 ]
-
-
-@contextlib.contextmanager
-def children_allowed(allowed: bool) -> Iterator[None]:
-    """Let a daemonic Dask worker start a child (a rank's process) while the block runs.
-
-    multiprocessing refuses children of a daemonic process because it would not wait for
-    them at exit; a rank's process ends with its task (and with its worker, whose pipe it
-    watches). The flag is process-wide: hold the block for a ``start()`` only.
-
-    >>> with children_allowed(True):
-    ...     pass
-    """
-    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    was = config.get("daemon")
-    if allowed and was:
-        config["daemon"] = False
-    try:
-        yield
-    finally:
-        if allowed and was:
-            config["daemon"] = was
-
-
-def children_allowed_here() -> None:
-    """Let this process start children for good (a rank's process, which its worker starts
-    as a daemon so that it ends with the worker, starts DataLoader workers)."""
-    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

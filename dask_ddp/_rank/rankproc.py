@@ -5,7 +5,7 @@ The rank task (:func:`dask_ddp._rank.tasks.run_rank`) stays a Dask task on its w
 starts the rank's process (:func:`run`), relays what the process sends and returns its
 value. The worker never runs, or even unpickles, the user's function.
 
-- **The template.** Each worker forks its ranks from a ``multiprocessing`` forkserver that
+- **The template.** Each worker forks its ranks from a fork server of dask-ddp's own that
   has imported torch and dask-ddp and runs no threads (:mod:`dask_ddp._rank.template`: its
   nanny's, which outlives the worker, or its own), found as the worker joins
   (:func:`get_ready`, from the worker plugin :class:`dask_ddp._rank.tasks.TemplatePlugin`),
@@ -46,16 +46,18 @@ import contextlib
 import faulthandler
 import itertools
 import logging
-import multiprocessing
 import os
+import pickle
 import queue
 import select
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 import cloudpickle
@@ -127,7 +129,7 @@ class RankProcess:
 
     Parameters
     ----------
-    process : multiprocessing.Process
+    process : dask_ddp._rank.forkserver.ForkedProcess
         The rank's process (forked ahead from the template).
     conn : multiprocessing.connection.Connection
         The task's end of the link.
@@ -289,7 +291,7 @@ def run(
     """
     from .._shared import dask_internals
 
-    spare = _take(worker)
+    spare = _take(worker, spec.placement.worker_ranks)
     handle = RankProcess(spare.process, spare.conn, spare.stacks_fd, grace)
     pool = concurrent.futures.ThreadPoolExecutor(
         2,
@@ -326,7 +328,8 @@ class _Spare:
         self.process, self.conn, self.stacks_fd = process, conn, stacks_fd
 
 
-_spare: _Spare | None = None  # this worker's one spare (a rank process is never reused)
+_spares: list[_Spare] = []  # this worker's spares (a rank process is never reused)
+_wanted = 1  # how many it keeps: the most ranks a job ran on it at once (ranks_per_worker)
 _groups: set[int] = set()  # the process groups of the rank processes forked here
 _exiting: set[RankProcess] = set()  # ended ranks' processes still tearing down
 _spares_lock = threading.Lock()
@@ -334,22 +337,12 @@ _refill_lock = threading.Lock()  # one fork of a spare at a time
 
 
 def _fork() -> _Spare:
-    from . import process as _process
     from . import template
 
-    task_end, rank_end = multiprocessing.Pipe(duplex=True)
+    task_end, rank_end = link_pair()
     stacks_r, stacks_w = os.pipe()
-    process = template.TemplateProcess(
-        target=_rank_main,
-        args=(rank_end, _Fd(stacks_w), worker_environ()),
-        name="dask-ddp-rank",
-        # Daemonic for its worker: a worker that exits ends its spare and its rank (else it
-        # would wait for them); the rank itself may have children (_rank_main).
-        daemon=True,
-    )
     try:
-        with _process.children_allowed(True):
-            process.start()
+        process = template.fork(_rank_main, (), [rank_end.fileno(), stacks_w], worker_environ())
     except BaseException:
         task_end.close()
         os.close(stacks_r)
@@ -363,43 +356,47 @@ def _fork() -> _Spare:
     return _Spare(process, task_end, stacks_r)
 
 
+def link_pair() -> tuple[Connection, Connection]:
+    """Two connected ends of a link (a Unix socket pair as ``multiprocessing.connection``
+    connections): this process's, and the one a forked process is handed (by descriptor)."""
+    ours, theirs = socket.socketpair()
+    return Connection(ours.detach()), Connection(theirs.detach())
+
+
 def worker_environ() -> dict[str, str]:
     """The worker's environment, for a process forked from its template, whichever process
     that belongs to (its nanny's has the nanny's: not the nanny's ``env``, nor dask-cuda's
     CUDA_VISIBLE_DEVICES)."""
+    return dict(os.environ)
+
+
+def fork_from_template(
+    worker: Any, target: Callable[..., None], args: tuple, conns: Sequence[Connection] = ()
+) -> Any:
+    """(In a thread of ``worker``'s.) Start ``target(*conns, *args)`` in a helper process
+    forked from the worker's template, with the worker's environment
+    (:func:`worker_environ`) and a terminal's Ctrl-C left to the worker; ``conns`` are the
+    helper's ends of links (:func:`link_pair`), closed here once it has them. A template
+    that went since it was found (its nanny's, then started again) is found again first."""
     from . import template
-
-    return {k: v for k, v in os.environ.items() if k != template.TEMPLATE_MARK}
-
-
-def fork_from_template(worker: Any, target: Callable[..., None], args: tuple, name: str) -> Any:
-    """(In a thread of ``worker``'s.) Start ``target(*args)`` in a daemonic helper process
-    forked from the worker's template (a ``TemplateProcess``), with the worker's
-    environment (:func:`worker_environ`) and a terminal's Ctrl-C left to the worker; a
-    template that went since it was found (its nanny's, then started again) is found again
-    first."""
-    from . import process as _process
-    from . import template
-
-    helper = (target, args, worker_environ())
 
     def start() -> Any:
-        process = template.TemplateProcess(target=_helper_main, args=helper, name=name, daemon=True)
-        with _process.children_allowed(True):
-            process.start()
-        return process
+        fds = [conn.fileno() for conn in conns]
+        return template.fork(_helper_main, (target, args), fds, worker_environ())
 
-    return _again_if_lost(worker, start)
+    try:
+        return _again_if_lost(worker, start)
+    finally:
+        for conn in conns:
+            conn.close()
 
 
-def _helper_main(target: Callable[..., None], args: tuple, environ: dict[str, str]) -> None:
+def _helper_main(fds: list[int], target: Callable[..., None], args: tuple) -> None:
     """A helper process of a worker's (:func:`fork_from_template`): a terminal's Ctrl-C
     (SIGINT to the command line's process group) is its worker's to take, and the job's
     stop that follows ends what the helper serves."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.clear()
-    os.environ.update(environ)
-    target(*args)
+    target(*[Connection(fd) for fd in fds], *args)
 
 
 def _again_if_lost(worker: Any, start: Callable[[], Any]) -> Any:
@@ -424,10 +421,9 @@ def count_gpus(worker: Any) -> int:
     which then exits. The worker never imports torch to count (1.5-3 s of CPU on a fresh
     worker, beside its template's own import); the template never starts CUDA (its forks
     could not use it), nor does a spare before its rank's CUDA_VISIBLE_DEVICES is set."""
-    reader, writer = multiprocessing.Pipe(duplex=False)
+    reader, writer = link_pair()
     try:
-        process = fork_from_template(worker, _count_gpus, (writer,), "dask-ddp-gpus")
-        writer.close()
+        process = fork_from_template(worker, _count_gpus, (), [writer])
         try:
             count = reader.recv()
         except EOFError:
@@ -440,7 +436,6 @@ def count_gpus(worker: Any) -> int:
         return int(count)
     finally:
         reader.close()
-        writer.close()
 
 
 def _count_gpus(conn: Any) -> None:
@@ -466,22 +461,23 @@ def groups_alive() -> set[int]:
 def spare_waits() -> bool:
     """Whether a spare rank process waits for the next rank (the template, then, runs)."""
     with _spares_lock:
-        spare = _spare
-    return spare is not None and spare.process.exitcode is None
+        return any(spare.process.exitcode is None for spare in _spares)
 
 
 def _refill(worker: Any = None) -> None:
-    """Fork this worker's spare rank process, unless one waits already (or is being forked:
-    the worker plugin and a first probe both ask for one on a fresh worker); given the
-    ``worker`` (from one of its threads), its template is found again if it went."""
-    global _spare
+    """Fork this worker's spare rank processes until as many wait as it keeps (the worker
+    plugin and a first probe both ask for them on a fresh worker: one fork at a time);
+    given the ``worker`` (from one of its threads), its template is found again if it
+    went."""
     with _refill_lock:
-        with _spares_lock:
-            if _spare is not None and _spare.process.exitcode is None:
-                return
-        spare = _fork() if worker is None else _fork_now(worker)
-        with _spares_lock:
-            _spare = spare
+        while True:
+            with _spares_lock:
+                _spares[:] = [spare for spare in _spares if spare.process.exitcode is None]
+                if len(_spares) >= _wanted:
+                    return
+            spare = _fork() if worker is None else _fork_now(worker)
+            with _spares_lock:
+                _spares.append(spare)
 
 
 def _refill_quietly() -> None:
@@ -492,12 +488,15 @@ def _refill_quietly() -> None:
         logger.debug("could not fork a spare rank process", exc_info=True)
 
 
-def _take(worker: Any) -> _Spare:
-    """The spare rank process (forked now if none waits), once the ranks that ended here
-    before it and started CUDA are gone (their GPU memory freed; each within its grace)."""
-    global _spare
+def _take(worker: Any, ranks_here: int = 1) -> _Spare:
+    """A spare rank process (forked now if none waits), once the ranks that ended here
+    before it and started CUDA are gone (their GPU memory freed; each within its grace).
+    ``ranks_here``: the ranks of its job on this worker, which keeps as many spares from
+    now on."""
+    global _wanted
     with _spares_lock:
-        spare, _spare = _spare, None
+        _wanted = max(1, ranks_here)
+        spare = _spares.pop(0) if _spares else None
         exiting = [handle for handle in _exiting if handle.used_cuda]
     for handle in exiting:
         handle.process.join(handle.grace)
@@ -637,23 +636,6 @@ def _lost(
     else:
         error = RankDiedError(rank, spec.placement.worker, spec.key, handle.process.exitcode)
     return None, error, body.outcome(None, error)
-
-
-class _Fd:
-    """A file descriptor passed to the rank's process (duplicated for it by the
-    forkserver)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple:
-        from multiprocessing import reduction
-
-        return (_Fd._rebuild, (reduction.DupFd(self.fd),))
-
-    @staticmethod
-    def _rebuild(dup: Any) -> _Fd:
-        return _Fd(dup.detach())
 
 
 def _picklable(error: BaseException) -> BaseException:
@@ -945,9 +927,7 @@ class _Unsent:
     (:meth:`RankLink.emit`), and goes nowhere."""
 
     def emit(self, topic: str, event: dict[str, Any]) -> None:
-        from multiprocessing.reduction import ForkingPickler
-
-        ForkingPickler.dumps(("emit", topic, event))
+        pickle.dumps(("emit", topic, event), protocol=pickle.HIGHEST_PROTOCOL)
 
     def hold_blob(self, key: str, msg: list[Any]) -> None:
         pass
@@ -989,17 +969,16 @@ def _cuda_started() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def _rank_main(conn: Any, stacks: _Fd, environ: dict[str, str]) -> None:
+def _rank_main(fds: list[int]) -> None:
     """A rank's process, forked from its worker's template ahead of its rank, with its
-    worker's environment: it waits for ``("go", payload, spec, worker, body)``, then runs
-    the rank and says how it ended."""
-    os.environ.clear()
-    os.environ.update(environ)
+    worker's environment (``fds``: its end of the link, and where its stacks go): it waits
+    for ``("go", payload, spec, worker, body)``, then runs the rank and says how it ended.
+    Its template is a plain interpreter (no ``multiprocessing`` parent): it may start
+    DataLoader workers as torchrun's processes do."""
+    link_fd, stacks_fd = fds
+    conn = Connection(link_fd)
     os.setpgid(0, 0)  # the rank leads a group: a stop ends everything it started
-    from . import process as _process
-
-    _process.children_allowed_here()  # DataLoader workers, as under torchrun
-    faulthandler.register(signal.SIGUSR1, file=stacks.fd, all_threads=True, chain=False)
+    faulthandler.register(signal.SIGUSR1, file=stacks_fd, all_threads=True, chain=False)
     os.register_at_fork(after_in_child=_reset_in_forked_child)
     link = RankLink(conn, _ThreadAhead(), [_ThreadAhead()])  # and the rank's channel's
     try:

@@ -1,9 +1,10 @@
 """The per-process state of the rank side: one slot per worker process, one run in it.
 
-One rank runs per worker process at a time: the default process group, the environment and
-the torch thread count are per process. :data:`PROCESS` is that process's
-:class:`ProcessSlot`; a rank task claims it for its :class:`RankRun` (queuing behind another
-job's rank, as Dask queues tasks on a single-threaded worker) and releases it when it ends.
+One job's ranks run per worker process at a time (each rank in a process of its own, or
+a rank in the rank's own process): :data:`PROCESS` is that process's :class:`ProcessSlot`;
+a rank task claims it for its :class:`RankRun` (queuing behind another job's ranks, as Dask
+queues tasks on a single-threaded worker; beside the other ranks of its own job on the
+worker, ``launch(ranks_per_worker=)``) and releases it when it ends.
 Everything the rank side used to keep in module globals lives here: the running rank (for
 :func:`dask_ddp._rank.tasks.abort_rank`), the job stores opened before launch, and what the
 user's function sees through :mod:`dask_ddp._rank.context` (context, channel, checkpoints,
@@ -230,14 +231,18 @@ class ProcessSlot:
     True
     >>> slot.current() is run
     True
-    >>> slot.release(run); slot.current() is None
+    >>> slot.claim(RankRun("3f2a", "dask-ddp-3f2a-rank-1", 1), timeout=1.0)  # its job's too
     True
+    >>> [r.rank for r in slot.running("3f2a")]
+    [0, 1]
+    >>> slot.release(run); [r.rank for r in slot.running()]
+    [1]
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()  # guards run, stores, and a run's stop
+        self.lock = threading.Lock()  # guards runs, stores, and a run's stop
         self._free = threading.Condition(self.lock)
-        self.run: RankRun | None = None
+        self.runs: list[RankRun] = []  # one job's ranks in this process
         self._stores: dict[str, Any] = {}
         self._grow_requests: set[str] = set()
         self._leftovers: list[Any] = []  # destroyed process groups, to let go (release())
@@ -248,9 +253,20 @@ class ProcessSlot:
         )
 
     def current(self) -> RankRun | None:
-        """The rank running in this process, if any (None in a process forked from it
-        whose run has ended)."""
-        return self.run
+        """A rank running in this process, if any (the rank in its own process; the first
+        of its job's ranks in a worker; None in a process forked from it whose run has
+        ended)."""
+        runs = self.runs
+        return runs[0] if runs else None
+
+    def running(self, job_id: str | None = None) -> list[RankRun]:
+        """The ranks running in this process (of ``job_id``, or of any attempt of that
+        job, if given), in rank order."""
+        with self.lock:
+            runs = list(self.runs)
+        if job_id is not None:
+            runs = [r for r in runs if r.job_id == job_id or r.job_id.startswith(f"{job_id}-")]
+        return sorted(runs, key=lambda r: r.rank)
 
     def claim(
         self,
@@ -258,31 +274,37 @@ class ProcessSlot:
         timeout: float,
         on_wait: Callable[[RankRun], None] | None = None,
     ) -> bool:
-        """Make ``run`` the process's rank once the slot is free, within ``timeout`` s.
+        """Make ``run`` one of the process's ranks once no other job's rank holds the
+        slot, within ``timeout`` s (the ranks of one job hold it together).
 
-        ``on_wait(holder)`` is called (with the lock held) when another rank holds the slot.
-        Returns False if it stayed taken. A rank whose job was stopped while it waited
-        (:meth:`stop`) takes the slot at once, to end there (its caller checks
+        ``on_wait(holder)`` is called (with the lock held) when another job's rank holds
+        the slot. Returns False if it stayed taken. A rank whose job was stopped while it
+        waited (:meth:`stop`) takes the slot at once, to end there (its caller checks
         :meth:`stopped_before_start`).
         """
         if self._leftovers:  # the last rank's group is let go now, beside this rank's start
             threading.Thread(target=self._let_go, name="dask-ddp-let-go", daemon=True).start()
+
+        def others() -> list[RankRun]:
+            return [r for r in self.runs if r.job_id != run.job_id]
+
         with self._free:
-            if self.run is not None and on_wait is not None:
-                on_wait(self.run)
+            if others() and on_wait is not None:
+                on_wait(others()[0])
             if not self._free.wait_for(
-                lambda: self.run is None or run.job_id in self._stopped, timeout=timeout
+                lambda: not others() or run.job_id in self._stopped, timeout=timeout
             ):
                 return False
-            if self.run is not None:  # stopped while it waited: it ends without the slot
+            if others():  # stopped while it waited: it ends without the slot
                 return True
-            self.run = run
+            self.runs.append(run)
         return True
 
     def release(self, run: RankRun, leftover: Any = None) -> None:
-        """End ``run``: its helpers stop, and the next rank may claim the slot. Call it
-        once the process is clean (the rank's process group destroyed): the rank's task
-        returns after it, and only then may the scheduler give its worker other work.
+        """End ``run``: its helpers stop, and once its job's last rank here ended the next
+        job's may claim the slot. Call it once the process is clean (the rank's process
+        group destroyed): the rank's task returns after it, and only then may the
+        scheduler give its worker other work.
 
         ``leftover`` (the destroyed group's object, already unregistered from torch) is let
         go :data:`LEFTOVER_DELAY` later on a timer's thread, or as soon as the next rank
@@ -301,8 +323,8 @@ class ProcessSlot:
             timer.daemon = True
             timer.start()
         with self._free:
-            if self.run is run:
-                self.run = None
+            if run in self.runs:
+                self.runs = [r for r in self.runs if r is not run]
                 self._free.notify_all()
 
     def _let_go(self) -> None:
@@ -319,29 +341,30 @@ class ProcessSlot:
         True
         """
         with self._free:
-            return self._free.wait_for(lambda: self.run is None, timeout=timeout)
+            return self._free.wait_for(lambda: not self.runs, timeout=timeout)
 
-    def stop(self, job_id: str, reason: str, failed_rank: int | None) -> RankRun | None:
-        """The supervisor asks ``job_id``'s rank in this process to stop: the run that is
-        asked, if one of that job holds the slot (it stops at its next safe point, and its
-        process group's connections are shut down so that a collective fails at once);
-        None if none does (then a rank of that job that starts later ends at once).
+    def stop(self, job_id: str, reason: str, failed_rank: int | None) -> list[RankRun]:
+        """The supervisor asks ``job_id``'s ranks in this process to stop: the runs that
+        are asked, those of that job that hold the slot (each stops at its next safe point,
+        its own process is ended); none if none does (then a rank of that job that starts
+        later ends at once).
 
         Nothing is raised into the rank's thread: see :meth:`RankRun.check_stop`.
         """
         with self._free:
-            active = self.run
-            if active is None or active.job_id != job_id:
-                self._stopped[job_id] = (reason, failed_rank)
-                while len(self._stopped) > _STOPPED_KEPT:
-                    self._stopped.popitem(last=False)
-                self._free.notify_all()  # a rank of that job waiting for the slot ends now
-                return None
-            if active.stop_reason is None:
-                active.stop_reason, active.stop_failed_rank = reason, failed_rank
-            process = active.process
-        if process is not None:  # its own process: SIGTERM, then SIGKILL after the grace
-            process.stop(reason, failed_rank)
+            active = [r for r in self.runs if r.job_id == job_id]
+            # Recorded in any case: a rank of the job still on its way here ends at once.
+            self._stopped[job_id] = (reason, failed_rank)
+            while len(self._stopped) > _STOPPED_KEPT:
+                self._stopped.popitem(last=False)
+            self._free.notify_all()  # a rank of that job waiting for the slot ends now
+            for run in active:
+                if run.stop_reason is None:
+                    run.stop_reason, run.stop_failed_rank = reason, failed_rank
+            processes = [r.process for r in active]
+        for process in processes:
+            if process is not None:  # its own process: SIGTERM, then SIGKILL after the grace
+                process.stop(reason, failed_rank)
         return active
 
     def put_store(self, job_id: str, store: Any) -> None:

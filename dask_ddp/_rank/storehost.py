@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import threading
 import weakref
@@ -84,11 +83,12 @@ def _current(worker: Any) -> _Host:
             return _host
         from . import rankproc
 
-        ours, theirs = multiprocessing.Pipe(duplex=True)
+        ours, theirs = rankproc.link_pair()
         try:
-            process = rankproc.fork_from_template(worker, _host_main, (theirs,), "dask-ddp-stores")
-        finally:
-            theirs.close()
+            process = rankproc.fork_from_template(worker, _host_main, (), [theirs])
+        except BaseException:
+            ours.close()
+            raise
         _host = _Host(process, ours)
         return _host
 

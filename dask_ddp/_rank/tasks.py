@@ -283,47 +283,54 @@ def abort_rank(
     """Ask this process's rank of ``job_id`` (an attempt's run id) to stop; return whether
     one runs here.
 
-    A rank in its own process gets SIGTERM (its process group), then SIGKILL after
-    ``ddp.failure-grace`` (:meth:`dask_ddp._rank.rankproc.RankProcess.stop`); a rank waiting in
-    the rendezvous or at a checkpoint is released. A lane stops at its next safe point
-    (:meth:`~dask_ddp._rank.slot.RankRun.check_stop`).
+    Each rank of the job here in its own process gets SIGTERM (its process group), then
+    SIGKILL after ``ddp.failure-grace`` (:meth:`dask_ddp._rank.rankproc.RankProcess.stop`);
+    a rank waiting in the rendezvous or at a checkpoint is released. A lane stops at its
+    next safe point (:meth:`~dask_ddp._rank.slot.RankRun.check_stop`).
 
-    When no rank of the job runs here, a rank of it that starts later ends at once, and
-    the store opened for it (on rank 0's worker) is closed: the worker is clean.
+    A rank of the job that starts here later ends at once, and the store opened for it (on
+    rank 0's worker) that its rank 0 did not take is closed: once none of its ranks runs
+    here (False), the worker is clean.
     """
     slot = slot_for(dask_worker)
     active = slot.stop(job_id, reason, failed_rank)
-    if active is None:
-        slot.take_store(job_id)
-        return False
+    # The store opened for its rank 0 here, if that rank has not started (it never will).
+    unclaimed = None if any(r.rank == 0 for r in active) else slot.take_store(job_id)
     # In case its ranks wait at the rendezvous, in C++ (a SIGTERM does not end that wait).
     # A rank in its own process: rank 0's worker holds the job's store and releases the
     # waits through it (no connection to a store that may be gone, whose failed tries c10d
     # logs for seconds); a lane connects to it.
-    if active.process is not None and active.store is not None:
-        target: tuple[Any, Any] = (_release_waiters_in, active.store)
-    elif active.process is None and active.master is not None:
-        target = (_release_waiters, active.master)
+    held = [r.store for r in active if r.process is not None and r.store is not None]
+    masters = [r.master for r in active if r.process is None and r.master is not None]
+    if unclaimed is not None or held:
+        store = unclaimed if unclaimed is not None else held[0]
+        target: tuple[Any, Any] = (_release_waiters_in, store)
+    elif masters:
+        target = (_release_waiters, masters[0])
     else:
         target = (None, None)
+    del unclaimed, held
     if target[0] is not None:
         threading.Thread(
             target=target[0], args=(target[1],), name="dask-ddp-release", daemon=True
         ).start()
-    logger.info("job %s: stopping rank %d: %s", job_id, active.rank, reason)
+    if not active:
+        return False
+    logger.info(
+        "job %s: stopping rank %s: %s", job_id, ", ".join(str(r.rank) for r in active), reason
+    )
     return True
 
 
-def rank_stacks(job_id: str, dask_worker: Any = None) -> tuple[int, str] | None:
-    """Run on a worker (``Client.run``): the rank of ``job_id`` (any attempt) running here,
+def rank_stacks(job_id: str, dask_worker: Any = None) -> list[tuple[int, str]]:
+    """Run on a worker (``Client.run``): each rank of ``job_id`` (any attempt) running here,
     and every thread's Python stack in its process, as :mod:`faulthandler` dumps them
-    (it works while the rank is blocked in C++); None if none runs here."""
-    active = slot_for(dask_worker).current()
-    if active is None or active.process is None:
-        return None
-    if active.job_id != job_id and not active.job_id.startswith(f"{job_id}-"):
-        return None
-    return active.rank, active.process.stacks()
+    (it works while the rank is blocked in C++), in rank order; empty if none runs here."""
+    return [
+        (run.rank, run.process.stacks())
+        for run in slot_for(dask_worker).running(job_id)
+        if run.process is not None
+    ]
 
 
 @contextlib.contextmanager
@@ -598,10 +605,15 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
     :class:`~dask_ddp.errors.RankStoppedError`. In a process hosting lanes (simulated
     ranks, :mod:`dask_ddp._rank.lanes`) the rank runs in the task's thread instead.
     """
-    from distributed import get_worker
+    from distributed import get_worker, secede
 
     p = spec.placement
     worker = get_worker()
+    if p.worker_ranks > 1:
+        # The job's other ranks on this worker run beside this one (each in a process of
+        # its own): the task leaves the worker's thread pool, as Dask's long-running tasks
+        # do, so that a worker of one thread starts them all.
+        secede()
     # The channel opens first: the rank's phases (queued, joining) travel on it too.
     channel = events.RankChannel(
         worker,

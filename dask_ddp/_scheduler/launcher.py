@@ -46,6 +46,7 @@ from .._shared.protocol import (
     run_id_of,
 )
 from .._shared.values import JobSpec
+from ..errors import PlacementError
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,9 @@ class Launcher:
                 )
                 for a in workers
             ]
-            backend, why = choose_backend(settings.backend, infos)
-            plan = plan_ranks(infos)
+            counts = self.ranks_per_worker(infos)
+            backend, why = choose_backend(settings.backend, infos, counts)
+            plan = plan_ranks(infos, counts)
             shares = (
                 await self.datasets.plan(self.client, [p.worker for p in plan])
                 if self.datasets is not None
@@ -224,6 +226,31 @@ class Launcher:
             keys=[s.key for s in specs],
             specs=specs,
         )
+
+    def ranks_per_worker(self, infos: Sequence[WorkerInfo]) -> dict[str, int]:
+        """How many ranks each worker runs (``launch(ranks_per_worker=)``): the number given,
+        or with ``"gpu"`` as many as it has GPUs (its ``GPU`` resource, else the GPUs it
+        sees, or ``ddp.gpu-count``).
+
+        Raises
+        ------
+        PlacementError
+            ``"gpu"`` on a worker that has none.
+        """
+        wanted = self.spec.ranks_per_worker
+        if wanted != "gpu":
+            return {w.address: int(wanted) for w in infos}
+        counts = {}
+        for w in infos:
+            resource = self.scheduler.workers[w.address].resources.get("GPU")
+            counts[w.address] = int(resource) if resource else w.gpu_count
+            if counts[w.address] < 1:
+                raise PlacementError(
+                    f"job {self.spec.job_id}: ranks_per_worker='gpu' runs a rank per GPU, and "
+                    f"worker {w.address} has none (no GPU resource, and it sees no GPU). "
+                    "Pass ranks_per_worker=N, or choose workers with GPUs (workers=[...])."
+                )
+        return counts
 
     def restore_from(self, attempt: Attempt, plans: Sequence[tuple[Restore, ...]]) -> None:
         """Tell each rank of ``attempt`` where its state comes from (before it is submitted)."""

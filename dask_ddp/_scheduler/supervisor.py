@@ -395,12 +395,18 @@ class Supervisor:
 
         try:
             answers = await self.plugin.client.run(
-                call, Entry.RANK_STACKS, self.job_id, workers=list(a.workers), on_error="return"
-            )
+                call, Entry.RANK_STACKS, self.job_id, workers=sorted(set(a.workers)),
+                on_error="return",
+            )  # fmt: skip
         except Exception as exc:  # a worker left meanwhile: no stall is decided on this one
             logger.info("dask-ddp job %s: could not sample its stacks: %s", self.job_id, exc)
             return
-        stacks = {r: text for r, text in (v for v in answers.values() if isinstance(v, tuple))}
+        stacks = {
+            rank: text
+            for found in answers.values()
+            if isinstance(found, list)
+            for rank, text in found
+        }
         if a is not self.attempt or time.monotonic() - self._progress_at < idle:
             return  # progress meanwhile
         seen, self._stacks = self._stacks, stacks

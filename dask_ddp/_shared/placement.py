@@ -63,6 +63,7 @@ class RankPlacement:
     use_gpu: bool
     cuda_visible_devices: str | None
     node_count: int = 1  # hosts in the plan: torchrun's GROUP_WORLD_SIZE
+    worker_ranks: int = 1  # the ranks of the job on this rank's worker (ranks_per_worker)
     gpu: str | None = None
     device_index: int | None = None
     worker_visible_devices: str | None = None
@@ -133,15 +134,23 @@ def host_devices(workers: Sequence[WorkerInfo]) -> tuple[list[str | None], list[
     if all(w.gpu_count <= 0 for w in workers):
         return [None] * n, None
     lists = [parse_visible_devices(w.cuda_visible_devices) for w in workers]
-    if all(v is None for v in lists) or (n > 1 and all(v == lists[0] for v in lists)):
+    distinct = {w.address for w in workers}
+    if all(v is None for v in lists) or (len(distinct) > 1 and all(v == lists[0] for v in lists)):
         gpus = min(w.gpu_count for w in workers)
         shared = lists[0] if lists[0] is not None else [str(i) for i in range(gpus)]
         return ([shared[k % len(shared)] if shared else None for k in range(n)], None)
     # Each worker leads with its own GPU (dask-cuda); one without a list of its own gets
-    # the first GPU nobody leads with.
+    # the first GPU nobody leads with. A worker that hosts several ranks (listed once per
+    # rank, side by side) gives its j-th rank the j-th GPU of its list.
     owned = {v[0] for v in lists if v}
     spare = iter([str(i) for i in range(max(w.gpu_count for w in workers)) if str(i) not in owned])
-    own = [(v[0] if v else None) if v is not None else next(spare, None) for v in lists]
+    own: list[str | None] = []
+    for k, (w, v) in enumerate(zip(workers, lists, strict=True)):
+        j = sum(1 for other in workers[:k] if other.address == w.address)
+        if v is None:
+            own.append(next(spare, None))
+        else:
+            own.append(v[j] if j < len(v) else None)
     rest = [d for v in lists if v for d in v]
     return own, list(dict.fromkeys([*(g for g in own if g is not None), *rest]))
 
@@ -162,17 +171,27 @@ def device_index(gpu: str | None, visible: str | None) -> int | None:
     return listed.index(gpu) if gpu in listed else None
 
 
-def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
-    """Plan one rank per worker: global rank, local rank and node rank, and its GPU.
+def plan_ranks(
+    workers: Sequence[WorkerInfo], ranks_per_worker: int | Mapping[str, int] = 1
+) -> list[RankPlacement]:
+    """Plan ``ranks_per_worker`` ranks on each worker (a number, or worker address -> its
+    number): global rank, local rank and node rank, and its GPU.
 
-    Workers are grouped by host (:func:`order_workers`); local ranks restart at 0 on each
-    host and node ranks count hosts. On a host with GPUs each rank's own GPU is
-    ``cuda:LOCAL_RANK`` (:func:`host_devices`).
+    Workers are grouped by host (:func:`order_workers`), a worker's ranks side by side;
+    local ranks restart at 0 on each host and node ranks count hosts. On a host with GPUs
+    each rank's own GPU is ``cuda:LOCAL_RANK`` (:func:`host_devices`).
 
     >>> plan = plan_ranks([WorkerInfo("tcp://h:2", "h", 8), WorkerInfo("tcp://h:1", "h", 8),
     ...                    WorkerInfo("tcp://h:3", "h", 8)])
     >>> [(p.rank, p.worker, p.gpu, p.device_index, p.cuda_visible_devices) for p in plan]
     [(0, 'tcp://h:1', '0', 0, None), (1, 'tcp://h:2', '1', 1, None), (2, 'tcp://h:3', '2', 2, None)]
+
+    A worker per node that hosts the node's ranks (``dask worker --resources GPU=4``):
+    every rank of the node sees all its GPUs, its own at ``cuda:LOCAL_RANK``:
+
+    >>> plan = plan_ranks([WorkerInfo("tcp://a:1", "a", 4), WorkerInfo("tcp://b:1", "b", 4)], 4)
+    >>> [(p.rank, p.local_rank, p.node_rank, p.gpu, p.device_index) for p in plan[3:5]]
+    [(3, 3, 0, '3', 3), (4, 0, 1, '0', 0)]
 
     dask-cuda workers (each leads with its own GPU) keep their GPUs, and every rank of
     the host sees them in local-rank order:
@@ -186,9 +205,17 @@ def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
     ordered = order_workers(workers)
     if not ordered:
         raise PlacementError("no workers to plan ranks on")
+    counts = {
+        w.address: ranks_per_worker if isinstance(ranks_per_worker, int)
+        else ranks_per_worker[w.address]
+        for w in ordered
+    }  # fmt: skip
+    for address, count in counts.items():
+        if count < 1:
+            raise PlacementError(f"worker {address} would run {count} ranks; give at least 1")
     hosts: dict[str, list[WorkerInfo]] = {}
     for w in ordered:
-        hosts.setdefault(w.host, []).append(w)
+        hosts.setdefault(w.host, []).extend([w] * counts[w.address])
     loopback = [w for w in ordered if _is_loopback(w.host)]
     if len(hosts) > 1 and loopback:
         raise PlacementError(
@@ -197,24 +224,26 @@ def plan_ranks(workers: Sequence[WorkerInfo]) -> list[RankPlacement]:
             "could not reach it (MASTER_ADDR must never be a loopback address then). Start that "
             "worker with --host set to an address the other hosts can reach."
         )
+    world = sum(counts.values())
     plan = []
-    for node_rank, host_workers in enumerate(hosts.values()):
-        own, visible = host_devices(host_workers)
+    for node_rank, host_ranks in enumerate(hosts.values()):
+        own, visible = host_devices(host_ranks)
         shared = ",".join(visible) if visible is not None else None
-        for local_rank, w in enumerate(host_workers):
+        for local_rank, w in enumerate(host_ranks):
             sees = w.cuda_visible_devices if shared is None else shared
             plan.append(
                 RankPlacement(
                     rank=len(plan),
                     local_rank=local_rank,
-                    local_world_size=len(host_workers),
+                    local_world_size=len(host_ranks),
                     node_rank=node_rank,
-                    world_size=len(ordered),
+                    world_size=world,
                     worker=w.address,
                     host=w.host,
                     use_gpu=own[local_rank] is not None,
                     cuda_visible_devices=None if sees == w.cuda_visible_devices else sees,
                     node_count=len(hosts),
+                    worker_ranks=counts[w.address],
                     gpu=own[local_rank],
                     device_index=device_index(own[local_rank], sees),
                     worker_visible_devices=w.cuda_visible_devices,
@@ -229,7 +258,7 @@ def replica_holders(
     """The worker that keeps each rank's checkpoint replicas in memory: never the rank's
     own, and on another host when the job spans several (a host that goes down takes no
     checkpoint with it): the next rank's worker in rank order that is on another host, else
-    the next rank's. A job of one rank keeps its replicas on a ``spare`` worker, if any.
+    the next rank's. A job on one worker keeps its replicas on a ``spare`` worker, if any.
 
     >>> plan = plan_ranks([WorkerInfo("tcp://a:1", "a"), WorkerInfo("tcp://a:2", "a"),
     ...                    WorkerInfo("tcp://b:1", "b")])
@@ -239,18 +268,25 @@ def replica_holders(
     ['tcp://c:1']
     """
     world = len(plan)
-    if world == 1:
-        return [spare[0].address if spare else None]
     holders: list[str | None] = []
     for p in plan:
         after = [plan[(p.rank + i) % world] for i in range(1, world)]
-        elsewhere = [q for q in after if q.host != p.host]
-        holders.append((elsewhere or after)[0].worker)
+        others = [q for q in after if q.worker != p.worker]
+        elsewhere = [q for q in others if q.host != p.host]
+        if elsewhere or others:
+            holders.append((elsewhere or others)[0].worker)
+        else:  # every rank of the job is on this worker: a spare one, if any
+            holders.append(spare[0].address if spare else None)
     return holders
 
 
-def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tuple[str, str]:
-    """Pick the torch.distributed backend and say why.
+def choose_backend(
+    requested: str | None,
+    workers: Sequence[WorkerInfo],
+    ranks_per_worker: int | Mapping[str, int] = 1,
+) -> tuple[str, str]:
+    """Pick the torch.distributed backend and say why (``ranks_per_worker`` as
+    :func:`plan_ranks` takes it).
 
     ``None`` picks nccl when every worker sees a GPU, else gloo. Asking for nccl (alone or
     beside gloo, ``"cpu:gloo,cuda:nccl"``) where a worker has no GPU, or ranks of a host
@@ -262,7 +298,7 @@ def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tupl
     'nccl'
     """
     no_gpu = [w for w in workers if w.gpu_count <= 0]
-    shared = _shared_gpu(workers)
+    shared = _shared_gpu(workers, ranks_per_worker)
     if requested is None:
         if no_gpu:
             return "gloo", f"no GPU on {no_gpu[0].address}"
@@ -289,7 +325,9 @@ def choose_backend(requested: str | None, workers: Sequence[WorkerInfo]) -> tupl
     return backend, "requested"
 
 
-def _shared_gpu(workers: Sequence[WorkerInfo]) -> tuple[str, str] | None:
+def _shared_gpu(
+    workers: Sequence[WorkerInfo], ranks_per_worker: int | Mapping[str, int] = 1
+) -> tuple[str, str] | None:
     """A host whose ranks would have to share a GPU, if any: (a worker, why).
 
     Each rank's GPU is the one :func:`host_devices` gives it: by local rank from the
@@ -297,10 +335,16 @@ def _shared_gpu(workers: Sequence[WorkerInfo]) -> tuple[str, str] | None:
 
     >>> _shared_gpu([WorkerInfo("tcp://a:1", "a", 1), WorkerInfo("tcp://a:2", "a", 1)])
     ('tcp://a:1', 'host a has 2 ranks but 1 GPU')
+    >>> _shared_gpu([WorkerInfo("tcp://a:1", "a", 2)], 3)
+    ('tcp://a:1', 'host a has 3 ranks but 2 GPUs')
     """
     by_host: dict[str, list[WorkerInfo]] = {}
     for w in order_workers(workers):
-        by_host.setdefault(w.host, []).append(w)
+        count = (
+            ranks_per_worker if isinstance(ranks_per_worker, int)
+            else ranks_per_worker.get(w.address, 1)
+        )  # fmt: skip
+        by_host.setdefault(w.host, []).extend([w] * count)
     for host, ranks in by_host.items():
         own, _ = host_devices(ranks)
         gpus = {g for g in own if g is not None}

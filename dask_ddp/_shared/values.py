@@ -310,6 +310,7 @@ class JobSpec:
     settings: Any
     workers: int | list[str] | None  # as launch() got it: every worker, a count, or names
     min_workers: int | None  # an elastic job's least size (checked on the client)
+    ranks_per_worker: int | str = 1  # launch(ranks_per_worker=): a number, or "gpu"
     pass_local_rank: bool = False  # launch(pass_local_rank=)
     init_process_group: bool = True  # False: a script calls init_process_group itself
     checkpoint_dir: str | None = None  # launch(checkpoint_dir=), keep_last=, storage_options=
