@@ -202,13 +202,12 @@ def cancel_round(client: Client, rng: random.Random, number: int) -> dict[str, A
 
 def rank_processes(dask_worker: Any = None) -> list[int]:
     """Run on a worker: the processes in the process groups of the rank processes it forked
-    but its spare's (the ranks running, or left behind, and everything they started)."""
+    but its spares' (the ranks running, or left behind, and everything they started)."""
     import psutil
 
     from dask_ddp._rank import rankproc
 
-    spare = rankproc._spare
-    groups = rankproc.groups_alive() - {spare.process.pid if spare is not None else None}
+    groups = rankproc.groups_alive() - rankproc.spare_groups()
     found = []
     for p in psutil.process_iter():
         with contextlib.suppress(ProcessLookupError, psutil.Error):

@@ -77,14 +77,16 @@ _RENDEZVOUS = "accepted: the Dask cluster does the rendezvous"
 TORCHRUN_OPTIONS = (
     TorchrunOption(
         ("--nproc-per-node", "--nproc_per_node"), "N", "used",
-        "ranks per node: a number, or gpu, cpu, auto counted on this machine as torchrun "
-        "counts them (with --scheduler: every worker); times --nnodes, the number of Dask "
-        "workers the job takes",
+        "ranks per node (host): a number, or gpu, cpu, auto counted on this machine as "
+        "torchrun counts them (those three with --scheduler: one rank on every worker). Without "
+        "--scheduler one worker per node holds the node's N ranks; with --scheduler, N ranks "
+        "on each worker of a cluster of one worker per host, or N workers of each host "
+        "where hosts have several (dask-cuda)",
     ),
     TorchrunOption(
         ("--nnodes",), "N|MIN:MAX", "used",
-        "nodes (default 1); MIN:MAX runs elastic, as --nworkers MIN*P:MAX*P does with P "
-        "ranks per node",
+        "nodes (hosts; default 1); MIN:MAX runs elastic, growing and shrinking by whole "
+        "nodes",
     ),
     TorchrunOption(
         ("--max-restarts", "--max_restarts"), "N", "used",
@@ -375,10 +377,13 @@ def _per_node(value: str, local: bool) -> int | None:
     return gpus if value in ("gpu", "auto") and gpus else os.cpu_count() or 1
 
 
-def _size(opts: argparse.Namespace) -> tuple[tuple[int, int] | None, str | None]:
+def _size(
+    opts: argparse.Namespace,
+) -> tuple[tuple[int, int] | None, str | None, int | None]:
     """The job's size ``(MIN, MAX)`` (None: every worker, or 2 for a LocalCluster) from
-    ``--nworkers`` or torchrun's ``--nproc-per-node`` x ``--nnodes``, and the options that
-    said it (for messages)."""
+    ``--nworkers`` (workers) or torchrun's ``--nnodes`` (nodes), the options that said it
+    (for messages), and torchrun's ``--nproc-per-node`` (ranks per node; None: one rank
+    per worker)."""
     torchrun = opts.nproc_per_node is not None or opts.nnodes is not None
     if opts.nworkers is not None:
         if torchrun:
@@ -386,9 +391,9 @@ def _size(opts: argparse.Namespace) -> tuple[tuple[int, int] | None, str | None]
                 "--nworkers counts the Dask workers the job takes, and torchrun's "
                 "--nproc-per-node and --nnodes say the same: give one or the other"
             )
-        return _parse_nworkers(opts.nworkers), f"--nworkers {opts.nworkers}"
+        return _parse_nworkers(opts.nworkers), f"--nworkers {opts.nworkers}", None
     if not torchrun:
-        return None, None
+        return None, None, None
     nodes = _parse_nworkers(opts.nnodes or "1", "--nnodes")
     per = _per_node(opts.nproc_per_node or "1", local=opts.scheduler is None)
     said = " ".join(
@@ -397,8 +402,34 @@ def _size(opts: argparse.Namespace) -> tuple[tuple[int, int] | None, str | None]
         if value is not None
     )
     if per is None:
-        return None, said
-    return (nodes[0] * per, nodes[1] * per), said
+        return None, said, None
+    return nodes, said, per
+
+
+def _one_worker_per_host(client: Any) -> bool:
+    """Whether no host of the cluster runs two of its workers (an empty cluster, which may
+    grow, counts as one)."""
+    hosts = [w["host"] for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+    return len(hosts) == len(set(hosts))
+
+
+def _resolve_nodes(client: Any, opts: argparse.Namespace, own_cluster: bool) -> None:
+    """torchrun's nodes as Dask workers, now that the cluster is known: a node is a worker
+    holding ``--nproc-per-node`` ranks (the command's own cluster, or one of one worker
+    per host), or, where hosts run several workers (dask-cuda), that many workers of one
+    rank each. Sets ``opts.size`` (workers) and ``opts.ranks_per_worker``."""
+    opts.ranks_per_worker = 1
+    per = opts.per_node
+    if per is None or opts.size is None:
+        return
+    if own_cluster or _one_worker_per_host(client):
+        opts.ranks_per_worker = per
+        return
+    logging.getLogger("dask_ddp").info(
+        "%s: hosts of this cluster run several workers: %d workers a node, one rank each",
+        opts.size_said, per,
+    )  # fmt: skip
+    opts.size = (opts.size[0] * per, opts.size[1] * per)
 
 
 def _signals(value: str) -> list[signal.Signals]:
@@ -429,7 +460,7 @@ def _check(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
     from .._shared.script import ScriptSettingsError, module_files, script_settings
 
     try:
-        opts.size, opts.size_said = _size(opts)
+        opts.size, opts.size_said, opts.per_node = _size(opts)
         opts.signals = _signals(opts.signals_to_handle)
     except ValueError as exc:
         parser.error(str(exc))
@@ -903,6 +934,7 @@ def _run_job(
 
     log = logging.getLogger("dask_ddp")
     _quiet_job_failure()
+    _resolve_nodes(client, opts, own_cluster)
     if own_cluster:
         if not _wait_for_own_workers(client, opts):
             return 1
@@ -930,6 +962,7 @@ def _run_job(
                     cluster_may_grow=not own_cluster,
                     workers=highest,
                     min_workers=lowest if lowest != highest else None,
+                    ranks_per_worker=opts.ranks_per_worker,
                     backend=opts.backend,
                     max_restarts=opts.max_restarts,
                     checkpoint_dir=checkpoint_dir,

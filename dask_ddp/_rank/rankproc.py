@@ -458,6 +458,12 @@ def groups_alive() -> set[int]:
         return set(_groups)
 
 
+def spare_groups() -> set[int]:
+    """The process groups of the spare rank processes that wait here (each leads its own)."""
+    with _spares_lock:
+        return {spare.process.pid for spare in _spares}
+
+
 def spare_waits() -> bool:
     """Whether a spare rank process waits for the next rank (the template, then, runs)."""
     with _spares_lock:
