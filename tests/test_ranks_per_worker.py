@@ -90,7 +90,7 @@ def test_ranks_per_worker_is_checked_before_anything_starts(client: Client) -> N
 
 def test_ranks_per_worker_gpu_on_workers_without_one_says_so(client: Client) -> None:
     # Raised by launch() itself: the workers are free, so the job is placed before it returns.
-    with pytest.raises(dask_ddp.errors.PlacementError, match="ranks_per_worker='gpu'.*has none"):
+    with pytest.raises(dask_ddp.errors.PlacementError, match=r"ranks_per_worker='gpu'.*has none"):
         dask_ddp.launch(client, dist.get_rank, ranks_per_worker="gpu")
 
 
@@ -130,9 +130,8 @@ def test_a_cancel_while_one_rank_spins_frees_the_workers_and_keeps_them(
         assert took < grace + 1, f"cancel() took {took:.2f} s (ddp.failure-grace {grace} s)"
         assert storms.left_behind(client) == {}
         assert client.run(os.getpid) == pids  # no worker was restarted
-        assert (
-            dask_ddp.launch(client, dist.get_world_size, ranks_per_worker=2).result(60) == [4] * 4
-        )
+        again = dask_ddp.launch(client, dist.get_world_size, ranks_per_worker=2)
+        assert again.result(timeout=60) == [4] * 4
 
 
 def _hangs_beside_a_peer() -> None:
