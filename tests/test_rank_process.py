@@ -516,6 +516,37 @@ def test_a_template_given_out_is_never_stopped_while_held() -> None:
         template.release()
 
 
+def _cuda_calls(fds: list[int]) -> None:
+    """In a process forked from a fork server that preloaded ``cuda_watch``: the template's
+    calls of torch's lazy CUDA initialisation, as it recorded them."""
+    import cuda_watch
+    import torch
+
+    with os.fdopen(fds[0], "w") as out:
+        out.write(repr((len(cuda_watch.calls), torch.cuda.is_initialized(), cuda_watch.calls)))
+
+
+def test_the_template_never_initialises_cuda() -> None:
+    # A process forked from a template whose CUDA started could not use CUDA at all; the
+    # template imports what every rank imports, and sets itself up, without starting it.
+    import ast
+
+    from dask_ddp._rank import forkserver, template
+
+    server = forkserver.start(["cuda_watch", *template.PRELOAD])
+    read, write = os.pipe()
+    try:
+        process = forkserver.fork(server.address, _cuda_calls, (), [write])
+        os.close(write)
+        process.join(180)
+        with os.fdopen(read) as result:
+            calls, initialised, where = ast.literal_eval(result.read())
+    finally:
+        server.stop()
+    assert process.exitcode == 0
+    assert (calls, initialised) == (0, False), where
+
+
 def _exit_with(fds: list[int], code: int) -> None:
     sys.exit(code)
 

@@ -270,3 +270,86 @@ def test_every_module_has_its_line_in_the_design() -> None:
     own |= {"__init__.py", "data/", "integrations/"}
     missing = sorted(own - named)
     assert not missing, f"docs/design.md, 'Parts and what each owns', does not name {missing}"
+
+
+# -- multiprocessing's private names, and the Pythons the package admits -------------------------
+
+
+def _multiprocessing_private_names(path: Path) -> list[str]:
+    """Each private name of ``multiprocessing`` that ``path`` reaches: an attribute or an
+    import beginning with ``_`` on ``multiprocessing`` or one of its modules (through any
+    name it was imported as)."""
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()  # names bound to multiprocessing or one of its modules
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "multiprocessing":
+                    aliases.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "multiprocessing"
+        ):
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"from {node.module} import {alias.name}")
+                aliases.add(alias.asname or alias.name)
+            if any(part.startswith("_") for part in (node.module or "").split(".")):
+                found.append(f"from {node.module} import ...")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            base = node.value
+            while isinstance(base, ast.Attribute | ast.Call):
+                base = base.value if isinstance(base, ast.Attribute) else base.func
+            if isinstance(base, ast.Name) and base.id in aliases and not node.attr.startswith("__"):
+                found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_no_module_uses_a_private_name_of_multiprocessing(path: Path) -> None:
+    # The rank template was multiprocessing's forkserver, subclassed: its private fields,
+    # a copy of Popen._launch, a patched reduction.recvfds, the daemon flag in
+    # current_process()._config. Each Python release may move them (3.12 added an
+    # authentication handshake to the forkserver): the fork server is our own now.
+    assert _multiprocessing_private_names(path) == []
+
+
+def test_the_private_name_check_sees_them() -> None:
+    import tempfile
+
+    code = (
+        "import multiprocessing\nfrom multiprocessing import popen_forkserver as pf\n"
+        "from multiprocessing.forkserver import _forkserver\n"
+        "multiprocessing.current_process()._config\npf.Popen._launch\n"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        found = _multiprocessing_private_names(Path(f.name))
+    finally:
+        Path(f.name).unlink()
+    assert found == [
+        "from multiprocessing.forkserver import _forkserver",
+        "line 4: ._config",
+        "line 5: ._launch",
+    ]
+
+
+def test_the_pythons_nox_tests_are_those_python_requires_admits() -> None:
+    import configparser
+
+    from packaging.specifiers import SpecifierSet
+
+    root = PACKAGE.parent
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    admitted = SpecifierSet(config["options"]["python_requires"])
+    nox = ast.parse((root / "noxfile.py").read_text())
+    [pythons] = [
+        ast.literal_eval(node.value)
+        for node in ast.walk(nox)
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PYTHONS"
+    ]
+    candidates = [f"3.{minor}" for minor in range(8, 16)]
+    assert pythons == [v for v in candidates if f"{v}.0" in admitted]

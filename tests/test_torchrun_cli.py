@@ -191,7 +191,8 @@ def test_the_rendezvous_options_are_said_once_quietly(
          "--nproc-per-node", "2", str(tmp_path / "train.py"), "--tee", "kept"]
     )  # fmt: skip
     _check(parser, opts)
-    assert opts.size == (2, 2) and opts.args == ["--tee", "kept"]  # the script's own, after it
+    # One node of two ranks; the script's own --tee, after it, is its own.
+    assert (opts.size, opts.per_node) == ((1, 1), 2) and opts.args == ["--tee", "kept"]
     with caplog.at_level(logging.INFO, logger="dask_ddp"):
         _log_torchrun_options(opts)
     said = [(r.levelno, r.getMessage()) for r in caplog.records]
