@@ -177,16 +177,21 @@ def check_next_job(client: Client, workers: int, where: str) -> float:
     return time.monotonic() - start
 
 
-def cancel_round(client: Client, rng: random.Random, number: int) -> dict[str, Any]:
-    """One launch, one cancel at a random moment, one next job."""
+def cancel_round(
+    client: Client, rng: random.Random, number: int, per_worker: int = 1
+) -> dict[str, Any]:
+    """One launch (``per_worker`` ranks on each worker), one cancel at a random moment, one
+    next job."""
     kind = KINDS[number % len(KINDS)]
     if kind == "program":
         job = dask_ddp.launch_script(
             client, "bash", ["-c", "while true; do sleep 0.1; done"], no_python=True,
-            name="storm",
+            name="storm", ranks_per_worker=per_worker,
         )  # fmt: skip
     else:
-        job = dask_ddp.launch(client, train_until_stopped, args=(kind,), name="storm")
+        job = dask_ddp.launch(
+            client, train_until_stopped, args=(kind,), name="storm", ranks_per_worker=per_worker
+        )
     delay = rng.uniform(0, 1)
     time.sleep(delay)
     seen = job.state.value
@@ -230,7 +235,12 @@ _killed: dict[Any, float] = {}  # worker name -> when the storm last killed it
 
 
 def kill_round(
-    client: Client, rng: random.Random, number: int, directory: str, step_seconds: float
+    client: Client,
+    rng: random.Random,
+    number: int,
+    directory: str,
+    step_seconds: float,
+    per_worker: int = 1,
 ) -> dict[str, Any]:
     """One launch, one SIGKILL of a rank's worker process at a random moment, the job's
     end from its checkpoints, one next job."""
@@ -243,7 +253,7 @@ def kill_round(
     url = os.path.join(directory, f"round{number}")
     job = dask_ddp.launch(
         client, train_with_checkpoints, args=(STEPS, EVERY, step_seconds), workers=2,
-        max_restarts=3, checkpoint_dir=url, name="kill-storm",
+        max_restarts=3, checkpoint_dir=url, name="kill-storm", ranks_per_worker=per_worker,
     )  # fmt: skip
     delay = rng.uniform(0, 3)
     time.sleep(delay)
@@ -252,7 +262,7 @@ def kill_round(
     ranks = sorted(
         range(len(job.workers)), key=lambda r: _killed.get(names.get(job.workers[r]), -1e9)
     )
-    victim = ranks[0] if ranks else rng.randrange(2)
+    victim = ranks[0] if ranks else rng.randrange(2 * per_worker)
     worker = job.workers[victim] if job.workers else None
     killed = None
     if worker in pids:
@@ -273,7 +283,7 @@ def kill_round(
             f"{where}: the job did not end well: {type(exc).__name__}: {exc}"
         ) from exc
     expected = float(sum(range(STEPS)))
-    if len(totals) != 2 or any(t != expected for t in totals):
+    if len(totals) != 2 * per_worker or any(t != expected for t in totals):
         raise StormFailure(f"{where}: trained {totals}, not every step once ({expected})")
     recovered = time.monotonic() - killed if killed is not None else float("nan")
     client.wait_for_workers(3, timeout=NEXT_JOB_TIMEOUT)
@@ -290,7 +300,9 @@ def storm_cluster(workers: int) -> LocalCluster:
     )
 
 
-def run_cancel_storm(rounds: int, seed: int, say: Any = print) -> list[dict[str, Any]]:
+def run_cancel_storm(
+    rounds: int, seed: int, say: Any = print, per_worker: int = 1
+) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     results = []
     with storm_cluster(2) as cluster, Client(cluster) as client:
@@ -300,7 +312,7 @@ def run_cancel_storm(rounds: int, seed: int, say: Any = print) -> list[dict[str,
         held = {k: sorted(v) for k, v in client.who_has(kept).items()}
         pids = client.run(os.getpid)
         for number in range(rounds):
-            r = cancel_round(client, rng, number)
+            r = cancel_round(client, rng, number, per_worker)
             results.append(r)
             say(
                 f"cancel {number:3d}: after {r['delay']:.3f} s ({r['state']}, {r['kind']}): "
@@ -317,7 +329,7 @@ def run_cancel_storm(rounds: int, seed: int, say: Any = print) -> list[dict[str,
 
 
 def run_kill_storm(
-    rounds: int, seed: int, step_seconds: float = 0.1, say: Any = print
+    rounds: int, seed: int, step_seconds: float = 0.1, say: Any = print, per_worker: int = 1
 ) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     results = []
@@ -329,7 +341,7 @@ def run_kill_storm(
     ):
         client.wait_for_workers(3)
         for number in range(rounds):
-            r = kill_round(client, rng, number, directory, step_seconds)
+            r = kill_round(client, rng, number, directory, step_seconds, per_worker)
             results.append(r)
             say(
                 f"kill {number:3d}: after {r['delay']:.3f} s ({r['state']}): "
@@ -345,16 +357,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill", type=int, default=50, help="kill rounds (50)")
     parser.add_argument("--load", type=int, default=2, help="CPU-busy processes beside (2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ranks-per-worker", type=int, default=1, help="ranks behind each worker (1)"
+    )
     args = parser.parse_args(argv)
     from _common import command_line, versions
 
     print(command_line())
     print(versions("dask", "distributed", "dask-ddp"))
-    print(f"{args.cancel} cancel rounds, {args.kill} kill rounds, {args.load} CPU-busy processes")
+    per = args.ranks_per_worker
+    print(
+        f"{args.cancel} cancel rounds, {args.kill} kill rounds, {args.load} CPU-busy "
+        f"processes, {per} ranks per worker"
+    )
     try:
         with cpu_load(args.load):
-            cancels = run_cancel_storm(args.cancel, args.seed) if args.cancel else []
-            kills = run_kill_storm(args.kill, args.seed) if args.kill else []
+            cancels = (
+                run_cancel_storm(args.cancel, args.seed, per_worker=per) if args.cancel else []
+            )
+            kills = run_kill_storm(args.kill, args.seed, per_worker=per) if args.kill else []
     except StormFailure as exc:
         print(f"FAILED: {exc}")
         return 1
