@@ -210,9 +210,10 @@ def rank_processes(dask_worker: Any = None) -> list[int]:
     but its spares' (the ranks running, or left behind, and everything they started)."""
     import psutil
 
-    from dask_ddp._rank import rankproc
+    from dask_ddp._rank.host import host_for
 
-    groups = rankproc.groups_alive() - rankproc.spare_groups()
+    host = host_for(dask_worker)
+    groups = host.groups_alive() - host.spare_groups()
     found = []
     for p in psutil.process_iter():
         with contextlib.suppress(ProcessLookupError, psutil.Error):

@@ -146,9 +146,9 @@ def test_the_job_s_store_listens_on_the_worker_s_own_address(client: Client) -> 
 
 def _store_ahead(dask_worker: Any = None) -> int | None:
     """The port of the store this worker opened ahead of its next job, if one waits."""
-    from dask_ddp._rank import tasks as bootstrap
+    from dask_ddp._rank.host import host_for
 
-    ahead = bootstrap._STORE_AHEAD._ahead
+    ahead = host_for(dask_worker).store_ahead._ahead
     return None if ahead is None else ahead[1].port
 
 

@@ -601,10 +601,11 @@ def _use_a_held_store() -> dict[str, Any]:
 
     import psutil
 
-    from dask_ddp._rank import storehost
+    from dask_ddp._rank.host import host_for
 
     worker = distributed.get_worker()
-    store = storehost.open_store(worker, worker.ip, 30)
+    stores = host_for(worker).stores
+    store = stores.open(worker.ip, 30)
     store.set_timeout(timedelta(seconds=0.2))
     out: dict[str, Any] = {"port": store.port}
     out["set"] = store.compare_set("dask-ddp/joined-ready", "", b"aborted")
@@ -614,7 +615,7 @@ def _use_a_held_store() -> dict[str, Any]:
         store.get("nothing")  # waits out the store's timeout
     except Exception as exc:
         out["error"] = (type(exc).__module__, type(exc).__name__)
-    host = storehost._host.process.pid
+    host = stores.pid
 
     def listening() -> bool:
         return any(
@@ -624,7 +625,7 @@ def _use_a_held_store() -> dict[str, Any]:
 
     out["listened"] = listening()
     del store  # let go: closed in its host (as a TCPStore is when let go)
-    storehost.open_store(worker, worker.ip, 30).close()  # a call after: the close went
+    stores.open(worker.ip, 30).close()  # a call after: the close went
     deadline = time.monotonic() + 10
     while listening() and time.monotonic() < deadline:  # torch stops its server's loop
         time.sleep(0.05)

@@ -6,6 +6,7 @@ processes."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -247,6 +248,7 @@ def test_nproc_per_node_without_a_scheduler_starts_one_worker_of_its_ranks(
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("RANK")]
-    assert sorted(int(line[1]) for line in lines) == [0, 1, 2]
-    assert len({line[3] for line in lines}) == 1  # one worker holds the three
+    # The ranks print to the same terminal at once: their lines may interleave.
+    said = re.findall(r"RANK (\d) WORKER (tcp://[0-9.]+:\d+)", done.stdout)
+    assert sorted(int(rank) for rank, _ in said) == [0, 1, 2], done.stdout
+    assert len({worker for _, worker in said}) == 1  # one worker holds the three

@@ -127,7 +127,7 @@ def test_a_job_stopped_before_its_rank_started_stops_the_rank_when_it_does() -> 
     ran = []
     with (
         pytest.raises(dask_ddp.RankStoppedError, match="cancelled by the user"),
-        bootstrap._claim_slot(spec, _run("late-job")),
+        bootstrap._claim_slot(spec, _run("late-job"), PROCESS),
     ):
         ran.append(True)
     assert ran == [] and PROCESS.current() is None  # never ran, and the slot is free again
@@ -153,7 +153,7 @@ def test_a_rank_stopped_while_it_connects_to_a_gone_store_stops_there() -> None:
     stopper.start()
     try:
         with pytest.raises(StopRequested, match="cancelled by the user"):
-            bootstrap._connect_store(spec, run, slot)
+            bootstrap._connect_store(spec, run, slot, lane=False)
     finally:
         stopper.join()
         slot.release(run)
@@ -164,6 +164,7 @@ def test_ranks_released_by_an_abort_all_stop_at_the_rendezvous_even_the_last_to_
 
     import torch.distributed as dist
 
+    from dask_ddp._rank import host
     from dask_ddp._rank import tasks as bootstrap
 
     # The abort released the rendezvous before every rank joined. The last rank to join
@@ -171,7 +172,7 @@ def test_ranks_released_by_an_abort_all_stop_at_the_rendezvous_even_the_last_to_
     # init_process_group alone, it would wait there in C++ for the others until the
     # group's timeout, and its worker be restarted.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
-    bootstrap._release_waiters(("127.0.0.1", store.port))
+    host.release_waiters_at(("127.0.0.1", store.port))
     for r in (0, 1):  # rank 1 is the last to join
         spec = _spec("released", rank=r, world=2, host="127.0.0.1", port=store.port)
         with pytest.raises(dask_ddp.RankStoppedError, match="stopped while ranks gathered"):

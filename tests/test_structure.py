@@ -287,9 +287,7 @@ def _multiprocessing_private_names(path: Path) -> list[str]:
             for alias in node.names:
                 if alias.name.split(".")[0] == "multiprocessing":
                     aliases.add((alias.asname or alias.name).split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "multiprocessing"
-        ):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("multiprocessing"):
             for alias in node.names:
                 if alias.name.startswith("_"):
                     found.append(f"from {node.module} import {alias.name}")

@@ -731,7 +731,7 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
             dashboard_address=":0",
             scheduler_kwargs={"dashboard": opts.dashboard},
             local_directory=scratch,
-            preload=["dask_ddp._shared.preload", "dask_ddp._rank.rankproc"],
+            preload=["dask_ddp._shared.preload", "dask_ddp._rank.host"],
             silence_logs=False if opts.verbose else logging.WARNING,
         )
         if opts.dashboard:

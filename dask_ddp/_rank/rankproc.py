@@ -7,18 +7,18 @@ value. The worker never runs, or even unpickles, the user's function.
 
 - **The template.** Each worker forks its ranks from a fork server of dask-ddp's own that
   has imported torch and dask-ddp and runs no threads (:mod:`dask_ddp._rank.template`: its
-  nanny's, which outlives the worker, or its own), found as the worker joins
-  (:func:`get_ready`, from the worker plugin :class:`dask_ddp._rank.tasks.TemplatePlugin`),
-  and keeps one spare process forked from it ahead of the next rank (a fork of a torch
-  process costs about 12 ms, its exit about 10: the next spare is forked once the last
-  rank's process is gone).
+  nanny's, which outlives the worker, or its own), found as the worker joins by its host
+  (:class:`dask_ddp._rank.host.ProcessHost`), which keeps spare processes forked from it
+  ahead of the next ranks (:func:`fork_spare`; a fork of a torch process costs about 12
+  ms, its exit about 10: the next spare is forked once the last rank's process is gone).
   The template works out once what every rank would (:mod:`dask_ddp._rank.template`), and
   freezes its objects before each fork. A spare that waits rehearses a rank's start (a
   rendezvous on a store in memory, a one-rank gloo group; nothing over the network), the
   one-time costs of a process's first ``init_process_group``. Nothing a job
   leaves in a process (a half import, torch's group counter, CUDA started under another
   ``CUDA_VISIBLE_DEVICES``) reaches the next, and the worker never starts CUDA.
-- **The link.** One duplex pipe. The rank's :class:`~dask_ddp._rank.channel.RankChannel` runs in
+- **The link.** One socket pair, carrying the typed records of :mod:`dask_ddp._rank.link`
+  both ways. The rank's :class:`~dask_ddp._rank.channel.RankChannel` runs in
   its process and batches and packs its records (``report()``, output lines, status,
   checkpoint notes) as it did in the worker; each event it sends crosses the pipe and the
   task hands it to the worker's ``log_event``, counting it, so that the stream of a rank
@@ -40,7 +40,6 @@ value. The worker never runs, or even unpickles, the user's function.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import faulthandler
@@ -69,56 +68,14 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "RankLink",
     "RankProcess",
+    "Spare",
     "WorkerStandIn",
-    "get_ready",
-    "groups_alive",
+    "count_gpus",
+    "fork_helper",
+    "fork_spare",
+    "group_alive",
     "run",
-    "spare_waits",
-    "warm",
 ]
-
-
-def warm(worker: Any) -> None:
-    """(In a thread of ``worker``'s.) Start this worker's template if it is its own and not
-    running, and fork a spare rank process from it: the next rank then starts without
-    waiting for the template's imports (1-3 s) or for a fork (tens of milliseconds)."""
-    from . import template
-
-    template.start()
-    _refill(worker)
-
-
-def dask_setup(worker: Any) -> None:
-    """Dask's preload hook (the command line's own LocalCluster preloads this module): the
-    worker gets ready for its ranks (:func:`get_ready`) as it starts."""
-    get_ready(worker)
-
-
-def get_ready(worker: Any) -> None:
-    """On ``worker``'s event loop, in the background: find its template (its nanny's, which
-    answers once the worker has started: awaited here, the worker's start would wait for
-    itself), then, in a thread, start it if it is the worker's own and fork the first spare
-    (:func:`warm`). A failure is left to the next probe, which does both again and says
-    why. (The worker's own torch import stays in the probe: torch imported by two threads
-    at once can abort the process.)"""
-    from . import template
-
-    def ready() -> None:
-        try:
-            warm(worker)
-        except Exception:
-            logger.debug("the rank template did not start ahead of the rank", exc_info=True)
-
-    async def find_then_fork() -> None:
-        await template.find(worker)
-        threading.Thread(target=ready, name="dask-ddp-ready", daemon=True).start()
-
-    task = asyncio.ensure_future(find_then_fork())
-    _getting_ready.add(task)  # held until done (the loop keeps only a weak reference)
-    task.add_done_callback(_getting_ready.discard)
-
-
-_getting_ready: set[asyncio.Future[None]] = set()
 
 
 # -- the task's side, in the worker ---------------------------------------------------------
@@ -261,6 +218,7 @@ def run(
     worker: Any,
     body: RankBody,
     *,
+    host: Any,
     channel: Any,
     handlers: dict[str, Handler],
     on_start: Callable[[RankProcess], None],
@@ -279,6 +237,8 @@ def run(
         The rank's worker (what its process's ``get_worker()`` stands in for).
     body : RankBody
         What the process runs.
+    host : dask_ddp._rank.host.ProcessHost
+        The worker's host: its spares, and its reaper of ended ranks.
     channel : RankChannel
         Where the rank's records go.
     handlers : dict
@@ -291,7 +251,7 @@ def run(
     """
     from .._shared import dask_internals
 
-    spare = _take(worker, spec.placement.worker_ranks)
+    spare = host.take_spare(spec.placement.worker_ranks)
     handle = RankProcess(spare.process, spare.conn, spare.stacks_fd, grace)
     pool = concurrent.futures.ThreadPoolExecutor(
         2,
@@ -308,37 +268,32 @@ def run(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         if ended is not None:
-            _end_later(handle)
+            host.end_later(handle)
         else:  # it died, or this task was interrupted: nothing of it may outlive the task
             handle.process.join(0)
             if handle.process.exitcode is None:
                 handle.kill()
                 handle.process.join()
             handle.ended()
-            threading.Thread(target=_refill_quietly, name="dask-ddp-refill", daemon=True).start()
+            threading.Thread(
+                target=host.refill_quietly, name="dask-ddp-refill", daemon=True
+            ).start()
     if ended is not None:
         return ended
     return _lost(handle, spec, body)
 
 
-class _Spare:
-    """A rank process forked ahead, waiting for its rank (:func:`_rank_main`)."""
+class Spare:
+    """A rank process forked ahead, waiting for its rank (:func:`_rank_main`): its process,
+    the worker's end of its link, and where its stacks come out."""
 
-    def __init__(self, process: Any, conn: Any, stacks_fd: int) -> None:
+    def __init__(self, process: Any, conn: Connection, stacks_fd: int) -> None:
         self.process, self.conn, self.stacks_fd = process, conn, stacks_fd
 
 
-_spares: list[_Spare] = []  # this worker's spares (a rank process is never reused)
-_wanted = 1  # how many it keeps: the most ranks a job ran on it at once (ranks_per_worker)
-_groups: set[int] = set()  # the process groups of the rank processes forked here
-_exiting: set[RankProcess] = set()  # ended ranks' processes still tearing down
-_spares_lock = threading.Lock()
-_refill_lock = threading.Lock()  # one fork of a spare at a time
-
-
-def _fork() -> _Spare:
-    from . import template
-
+def fork_spare(template: Any) -> Spare:
+    """(A thread of the worker's.) A spare rank process, forked from ``template`` with the
+    worker's environment; it leads a process group of its own (named by its pid)."""
     task_end, rank_end = link_pair()
     stacks_r, stacks_w = os.pipe()
     try:
@@ -350,10 +305,7 @@ def _fork() -> _Spare:
     finally:
         rank_end.close()
         os.close(stacks_w)
-    groups_alive()  # (the ones gone forgotten)
-    with _spares_lock:
-        _groups.add(process.pid)  # it leads a group of its own (_rank_main)
-    return _Spare(process, task_end, stacks_r)
+    return Spare(process, task_end, stacks_r)
 
 
 def link_pair() -> tuple[Connection, Connection]:
@@ -370,60 +322,37 @@ def worker_environ() -> dict[str, str]:
     return dict(os.environ)
 
 
-def fork_from_template(
-    worker: Any, target: Callable[..., None], args: tuple, conns: Sequence[Connection] = ()
+def fork_helper(
+    template: Any, target: Callable[..., None], args: tuple, conns: Sequence[Connection] = ()
 ) -> Any:
-    """(In a thread of ``worker``'s.) Start ``target(*conns, *args)`` in a helper process
-    forked from the worker's template, with the worker's environment
-    (:func:`worker_environ`) and a terminal's Ctrl-C left to the worker; ``conns`` are the
-    helper's ends of links (:func:`link_pair`), closed here once it has them. A template
-    that went since it was found (its nanny's, then started again) is found again first."""
-    from . import template
-
-    def start() -> Any:
+    """(In a thread of the worker's.) Start ``target(*conns, *args)`` in a helper process
+    forked from ``template``, with the worker's environment (:func:`worker_environ`) and a
+    terminal's Ctrl-C left to the worker; ``conns`` are the helper's ends of links
+    (:func:`link_pair`), closed here once it has them."""
+    try:
         fds = [conn.fileno() for conn in conns]
         return template.fork(_helper_main, (target, args), fds, worker_environ())
-
-    try:
-        return _again_if_lost(worker, start)
     finally:
         for conn in conns:
             conn.close()
 
 
 def _helper_main(fds: list[int], target: Callable[..., None], args: tuple) -> None:
-    """A helper process of a worker's (:func:`fork_from_template`): a terminal's Ctrl-C
-    (SIGINT to the command line's process group) is its worker's to take, and the job's
-    stop that follows ends what the helper serves."""
+    """A helper process of a worker's (:func:`fork_helper`): a terminal's Ctrl-C (SIGINT to
+    the command line's process group) is its worker's to take, and the job's stop that
+    follows ends what the helper serves."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     target(*[Connection(fd) for fd in fds], *args)
 
 
-def _again_if_lost(worker: Any, start: Callable[[], Any]) -> Any:
-    """``start()``, and once more after finding the worker's template again if it failed
-    because the template went (:func:`dask_ddp._rank.template.lost`)."""
-    from . import template
-
-    try:
-        return start()
-    except OSError:
-        if not template.lost():
-            raise
-    from .._shared import dask_internals
-
-    dask_internals.on_worker_loop(worker, template.find, worker)
-    return start()
-
-
-def count_gpus(worker: Any) -> int:
-    """(In a thread of ``worker``'s.) The GPUs its ranks see: ``torch.cuda.device_count()``
-    in a process forked for it from the worker's template, with the worker's environment,
+def count_gpus(fork: Callable[..., Any]) -> int:
+    """(In a thread of the worker's.) The GPUs its ranks see: ``torch.cuda.device_count()``
+    in a helper process ``fork(target, args, conns)`` starts from the worker's template,
     which then exits. The worker never imports torch to count (1.5-3 s of CPU on a fresh
-    worker, beside its template's own import); the template never starts CUDA (its forks
-    could not use it), nor does a spare before its rank's CUDA_VISIBLE_DEVICES is set."""
+    worker, beside its template's own import)."""
     reader, writer = link_pair()
     try:
-        process = fork_from_template(worker, _count_gpus, (), [writer])
+        process = fork(_count_gpus, (), [writer])
         try:
             count = reader.recv()
         except EOFError:
@@ -445,107 +374,13 @@ def _count_gpus(conn: Any) -> None:
     conn.close()
 
 
-def groups_alive() -> set[int]:
-    """The process groups of this worker's rank processes that still have a process in
-    them: its spare's, its running ranks', and any a stop left behind. (The processes are
-    not the worker's children: the template's, which may be its nanny's.)"""
-    with _spares_lock:
-        for group in list(_groups):
-            try:
-                os.killpg(group, 0)
-            except (ProcessLookupError, PermissionError):  # (another user's took the number)
-                _groups.discard(group)
-        return set(_groups)
-
-
-def spare_groups() -> set[int]:
-    """The process groups of the spare rank processes that wait here (each leads its own)."""
-    with _spares_lock:
-        return {spare.process.pid for spare in _spares}
-
-
-def spare_waits() -> bool:
-    """Whether a spare rank process waits for the next rank (the template, then, runs)."""
-    with _spares_lock:
-        return any(spare.process.exitcode is None for spare in _spares)
-
-
-def _refill(worker: Any = None) -> None:
-    """Fork this worker's spare rank processes until as many wait as it keeps (the worker
-    plugin and a first probe both ask for them on a fresh worker: one fork at a time);
-    given the ``worker`` (from one of its threads), its template is found again if it
-    went."""
-    with _refill_lock:
-        while True:
-            with _spares_lock:
-                _spares[:] = [spare for spare in _spares if spare.process.exitcode is None]
-                if len(_spares) >= _wanted:
-                    return
-            spare = _fork() if worker is None else _fork_now(worker)
-            with _spares_lock:
-                _spares.append(spare)
-
-
-def _refill_quietly() -> None:
-    """:func:`_refill` in the background: a failure only means the next rank forks its own."""
+def group_alive(group: int) -> bool:
+    """Whether the process group ``group`` still has a process in it."""
     try:
-        _refill()
-    except Exception:  # the worker is closing
-        logger.debug("could not fork a spare rank process", exc_info=True)
-
-
-def _take(worker: Any, ranks_here: int = 1) -> _Spare:
-    """A spare rank process (forked now if none waits), once the ranks that ended here
-    before it and started CUDA are gone (their GPU memory freed; each within its grace).
-    ``ranks_here``: the ranks of its job on this worker, which keeps as many spares from
-    now on."""
-    global _wanted
-    with _spares_lock:
-        _wanted = max(1, ranks_here)
-        spare = _spares.pop(0) if _spares else None
-        exiting = [handle for handle in _exiting if handle.used_cuda]
-    for handle in exiting:
-        handle.process.join(handle.grace)
-        handle.ended()
-    if spare is None or spare.process.exitcode is not None:
-        spare = _fork_now(worker)
-    return spare
-
-
-def _fork_now(worker: Any) -> _Spare:
-    """Fork the rank's process now; a template that went since the probe (its nanny's, which
-    it then starts again) is found again first."""
-    return _again_if_lost(worker, _fork)
-
-
-def _end_later(handle: RankProcess) -> None:
-    """The rank said how it ended: its process tears down (its group destroyed) and exits
-    while its task returns; what is left of its group after its grace is killed. The next
-    spare is forked once it is gone: the forks and exits of a job's ranks (about 20 ms of
-    CPU each) come after its results, not among them. The worker's one reaper thread
-    waits for it: the task returns without starting a thread."""
-    global _reaper
-    with _spares_lock:
-        _exiting.add(handle)
-        if _reaper is None:
-            _reaper = queue.SimpleQueue()
-            threading.Thread(
-                target=_reap, args=(_reaper,), name="dask-ddp-rank-exit", daemon=True
-            ).start()
-        _reaper.put(handle)
-
-
-_reaper: queue.SimpleQueue[RankProcess] | None = None  # ended ranks' processes, to wait for
-
-
-def _reap(ended: queue.SimpleQueue[RankProcess]) -> None:
-    while True:
-        handle = ended.get()
-        handle.process.join(handle.grace)
-        handle.ended()
-        with _spares_lock:
-            _exiting.discard(handle)
-        _refill_quietly()
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):  # (another user's took the number)
+        return False
+    return True
 
 
 def _relay(

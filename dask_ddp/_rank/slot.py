@@ -10,11 +10,11 @@ Everything the rank side used to keep in module globals lives here: the running 
 user's function sees through :mod:`dask_ddp._rank.context` (context, channel, checkpoints,
 datasets).
 
-A process that hosts many Dask workers to simulate ranks (:mod:`dask_ddp._rank.lanes`, which
-measures the control plane at 1,000 ranks on a few processes) gives each worker a slot of
-its own instead, a *lane* (:func:`host_lanes`): rank code finds its slot with
-:func:`slot_for` (a worker's handlers) and :func:`this_slot` (the rank's own thread), which
-are :data:`PROCESS` everywhere else.
+Each worker's host (:mod:`dask_ddp._rank.host`) holds its slot: :data:`PROCESS` for a real
+worker. A process that hosts many Dask workers to simulate ranks (:mod:`dask_ddp._rank.lanes`,
+which measures the control plane at 1,000 ranks on a few processes) gives each worker a
+slot of its own instead, a *lane*, bound to the thread that runs its rank (:func:`bind`):
+rank code finds its slot with :func:`this_slot`, :data:`PROCESS` everywhere else.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +42,7 @@ __all__ = [
     "RankContext",
     "RankRun",
     "StopRequested",
-    "host_lanes",
-    "slot_for",
+    "bind",
     "this_slot",
 ]
 
@@ -377,6 +375,25 @@ class ProcessSlot:
         with self.lock:
             return self._stores.pop(job_id, None)
 
+    def store_for(self, spec: Any) -> Any:
+        """The store the probe opened here for rank 0 of ``spec`` (a RankSpec), taken.
+
+        Raises
+        ------
+        RendezvousTimeoutError
+            It is gone: the worker restarted after launch, or the job was cancelled.
+        """
+        store = self.take_store(spec.run_id)
+        if store is None:
+            from ..errors import RendezvousTimeoutError
+
+            raise RendezvousTimeoutError(
+                0, spec.placement.worker, spec.key, 0,
+                "the job's store is gone from this worker "
+                "(the worker restarted after launch, or the job was cancelled)",
+            )  # fmt: skip
+        return store
+
     def stopped_before_start(self, job_id: str) -> tuple[str, int | None] | None:
         """Why ``job_id`` was stopped before its rank started here, if it was."""
         with self.lock:
@@ -397,46 +414,20 @@ class ProcessSlot:
             return False
 
 
-#: This process's slot.
+#: This process's slot: a worker's (its ranks, each in a process of its own), or a rank's own
+#: process's (its one run).
 PROCESS = ProcessSlot()
 
-# Worker -> its own slot, in a process that hosts lanes (None everywhere else).
-_lanes: weakref.WeakKeyDictionary[Any, ProcessSlot] | None = None
-_lanes_lock = threading.Lock()
+_bound = threading.local()  # a lane's thread: the slot of its worker
 
 
-def host_lanes() -> None:
-    """Give each Dask worker of this process a slot of its own (a lane), from now on.
-
-    For simulated ranks only (:mod:`dask_ddp._rank.lanes`): the ranks of one process then run at
-    once, sharing its environment, thread count and streams, so the rank task leaves those
-    alone, and a rank must not start a process group (two in one process fail in torch).
-    """
-    global _lanes
-    with _lanes_lock:
-        if _lanes is None:
-            _lanes = weakref.WeakKeyDictionary()
-
-
-def slot_for(worker: Any) -> ProcessSlot:
-    """The slot a rank on ``worker`` (a ``distributed.Worker``) runs in: :data:`PROCESS`,
-    unless this process hosts lanes."""
-    if _lanes is None:
-        return PROCESS
-    with _lanes_lock:
-        slot = _lanes.get(worker)
-        if slot is None:
-            slot = _lanes[worker] = ProcessSlot()
-        return slot
+def bind(slot: ProcessSlot | None) -> None:
+    """From now on (None: no longer), the calling thread's rank runs in ``slot``: a lane's
+    (:mod:`dask_ddp._rank.lanes`), many of which share one process."""
+    _bound.slot = slot
 
 
 def this_slot() -> ProcessSlot:
-    """The slot of the rank calling (from its own thread, in a process hosting lanes)."""
-    if _lanes is None:
-        return PROCESS
-    from distributed import get_worker
-
-    try:
-        return slot_for(get_worker())
-    except ValueError:  # not in a worker at all
-        return PROCESS
+    """The slot of the rank calling: its lane's (bound to the thread), else :data:`PROCESS`."""
+    slot = getattr(_bound, "slot", None)
+    return PROCESS if slot is None else slot

@@ -5,7 +5,8 @@ submitted (:mod:`dask_ddp._rank.tasks`), and outlives rank 0's process: the work
 the ranks waiting in it when the job stops. Opened in the worker, it cost the worker a torch
 import (1.5-3 s of CPU on a fresh worker, beside its template's own): the store now lives in
 a small process forked from the worker's template (:mod:`dask_ddp._rank.template`, torch already
-imported), one per worker, and the worker holds a :class:`RemoteStore` that forwards the
+imported), one per worker (:class:`StoreHost`, its host's), and the worker holds a
+:class:`RemoteStore` that forwards the
 few calls it makes (``port``, ``set_timeout``, ``check``, ``get``, ``compare_set``) over a
 pipe. The host exits when its worker does (its pipe closes); a host that died is forked
 again for the next store.
@@ -18,6 +19,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -71,26 +73,44 @@ class _Host:
             self.conn.send(("close", self._closed.pop(), None, ()))  # no answer
 
 
-_lock = threading.Lock()
-_host: _Host | None = None
+class StoreHost:
+    """A worker's store host, as its :class:`~dask_ddp._rank.host.ProcessHost` holds it:
+    forked (``fork(target, args, conns)``, from the worker's template) on the first store,
+    and again after it died."""
 
+    def __init__(self, fork: Callable[..., Any]) -> None:
+        self._fork = fork
+        self._lock = threading.Lock()
+        self._host: _Host | None = None
 
-def _current(worker: Any) -> _Host:
-    """This worker's store host, forked now if there is none or it died."""
-    global _host
-    with _lock:
-        if _host is not None and _host.alive():
-            return _host
-        from . import rankproc
+    def _current(self) -> _Host:
+        with self._lock:
+            if self._host is not None and self._host.alive():
+                return self._host
+            from . import rankproc
 
-        ours, theirs = rankproc.link_pair()
-        try:
-            process = rankproc.fork_from_template(worker, _host_main, (), [theirs])
-        except BaseException:
-            ours.close()
-            raise
-        _host = _Host(process, ours)
-        return _host
+            ours, theirs = rankproc.link_pair()
+            try:
+                process = self._fork(_host_main, (), [theirs])
+            except BaseException:
+                ours.close()
+                raise
+            self._host = _Host(process, ours)
+            return self._host
+
+    @property
+    def pid(self) -> int | None:
+        """Its process's pid (None before its first store)."""
+        host = self._host
+        return host.process.pid if host is not None else None
+
+    def open(self, address: str, timeout: float) -> RemoteStore:
+        """(In a thread of the worker's.) A new store listening on ``address`` (the worker's
+        own; :func:`new_store`), held by the store host."""
+        host = self._current()
+        store_id = next(host.ids)
+        port = host.call("open", store_id, address, (timeout,))
+        return RemoteStore(host, store_id, port)
 
 
 class RemoteStore:
@@ -162,15 +182,6 @@ def _listen_on(host: str) -> tuple[int | None, int]:
         return None, 0
     port = sock.getsockname()[1]
     return sock.detach(), port
-
-
-def open_store(worker: Any, host: str, timeout: float) -> RemoteStore:
-    """(In a thread of ``worker``'s.) A new store listening on ``host`` (the worker's own
-    address; :func:`new_store`), held by the worker's store host."""
-    store_host = _current(worker)
-    store_id = next(store_host.ids)
-    port = store_host.call("open", store_id, host, (timeout,))
-    return RemoteStore(store_host, store_id, port)
 
 
 def _host_main(conn: Any) -> None:

@@ -26,7 +26,6 @@ import functools
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -44,18 +43,17 @@ from ..errors import (
     WorkerBusyError,
 )
 from . import channel as events
-from . import cuda, malloc, output, replicas, resize, resume, saving, status, storehost
+from . import cuda, malloc, output, rankproc, replicas, resize, resume, saving, status
 from . import process as _process
 from .context import _activated
+from .host import ABORTED, RankWork, host_for
 from .slot import (
-    LEFTOVER_DELAY,
     PROCESS,
     CheckpointSettings,
     ProcessSlot,
     RankContext,
     RankRun,
     StopRequested,
-    slot_for,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,95 +119,6 @@ def _class_path(error: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _gpu_count(worker: Any, slot: ProcessSlot) -> int:
-    """The worker's GPUs (it sees them through its own ``CUDA_VISIBLE_DEVICES``, which does
-    not change while it lives): counted once, where its ranks run (a process forked from
-    its template, :func:`dask_ddp._rank.rankproc.count_gpus`; a lane's thread, with torch in
-    the worker)."""
-    if not _gpus:
-        if slot is PROCESS:
-            from . import rankproc
-
-            _gpus.append(rankproc.count_gpus(worker))
-        else:
-            import torch
-
-            _gpus.append(torch.cuda.device_count())
-    return _gpus[0]
-
-
-_gpus: list[int] = []  # this worker's GPU count, once counted
-
-
-def _open_store(job_id: str, worker: Any, timeout: float, slot: ProcessSlot) -> int:
-    """Open ``job_id``'s store on this worker (on its own address) and keep it in ``slot``
-    for the job's rank 0; its port."""
-    store = _worker_store(worker, timeout, slot)
-    slot.put_store(job_id, store)
-    return store.port
-
-
-def _worker_store(worker: Any, timeout: float, slot: ProcessSlot) -> Any:
-    """A store listening on ``worker``'s address for a rank 0 of its: held by its store host
-    (:mod:`dask_ddp._rank.storehost`) when ranks run in processes of their own, so the worker
-    never imports torch; in the worker itself for a lane's rank 0, a thread here."""
-    if slot is PROCESS:
-        return storehost.open_store(worker, worker.ip, timeout)
-    return storehost.new_store(worker.ip, timeout)
-
-
-class _StoreAhead:
-    """A store opened on this worker ahead of the next job whose rank 0 it hosts: a warm
-    worker's probe hands it over at once, without a thread hop or the open (on 2 cores with
-    8 ranks starting, 2-4 ms of every launch). Opened once a rank 0 ended here (its job's
-    store taken), not while a launch needs the CPU; a probe that finds none opens one."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ahead: tuple[str, Any] | None = None  # (host, store)
-
-    def take(self, job_id: str, host: str, timeout: float, slot: ProcessSlot) -> int | None:
-        """Give the store opened ahead on ``host`` to ``job_id`` (as :func:`_open_store`
-        does); its port, or None if none waits."""
-        with self._lock:
-            ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead[0] != host or slot is not PROCESS:
-            return None
-        store = ahead[1]
-        try:
-            store.set_timeout(timedelta(seconds=timeout))
-        except ConnectionError:  # its store host went (the probe opens another)
-            logger.debug("the store opened ahead on %s is gone", host, exc_info=True)
-            return None
-        slot.put_store(job_id, store)
-        return store.port
-
-    def open_later(self, worker: Any) -> None:
-        """Open the next one on ``worker``'s address :data:`~dask_ddp._rank.slot.LEFTOVER_DELAY`
-        from now, on a timer's thread (the task that ended has reported its end by then)."""
-        timer = threading.Timer(LEFTOVER_DELAY, self._open, args=(worker,))
-        timer.daemon = True
-        timer.start()
-
-    def _open(self, worker: Any) -> None:
-        with self._lock:
-            if self._ahead is not None:
-                return
-        try:
-            store = _worker_store(worker, _STORE_AHEAD_TIMEOUT, PROCESS)
-        except Exception:  # the next probe opens one, and says what fails
-            logger.debug("could not open a store ahead on %s", worker.ip, exc_info=True)
-            return
-        with self._lock:
-            if self._ahead is None:
-                self._ahead, store = (worker.ip, store), None
-        del store  # one opened meanwhile: this one closes
-
-
-_STORE_AHEAD = _StoreAhead()  # this worker's
-_STORE_AHEAD_TIMEOUT = 300.0  # seconds: replaced by the job's rendezvous timeout when taken
-
-
 async def probe_worker(
     job_id: str, store_worker: str, store_timeout: float, dask_worker: Any = None
 ) -> dict[str, Any]:
@@ -221,25 +130,20 @@ async def probe_worker(
     the worker's event loop stays responsive.
     """
     loop = asyncio.get_running_loop()
-    slot = slot_for(dask_worker)
-    # A warm worker answers at once: its GPUs counted before, its spare rank process
-    # waiting. A fresh one finds its template, forks its spare and counts its GPUs in a
+    host = host_for(dask_worker)
+    # A warm worker answers at once: its GPUs counted before, its spare rank processes
+    # waiting. A fresh one finds its template, forks its spares and counts its GPUs in a
     # process forked from that template, in threads; the worker itself never imports torch.
-    if slot is PROCESS:
-        from . import rankproc, template
-
-        if not rankproc.spare_waits():
-            await template.find(dask_worker)
-            await loop.run_in_executor(None, rankproc.warm, dask_worker)
-    gpus = _gpus[0] if _gpus else await loop.run_in_executor(None, _gpu_count, dask_worker, slot)
+    await host.warm()
+    gpus = host.gpu_count() if host.gpus_counted else await loop.run_in_executor(
+        None, host.gpu_count
+    )  # fmt: skip
     port = None
     if dask_worker.address == store_worker:
-        port = _STORE_AHEAD.take(job_id, dask_worker.ip, store_timeout, slot)
+        port = host.store_ready(job_id, store_timeout)
         if port is None:
-            port = await loop.run_in_executor(
-                None, _open_store, job_id, dask_worker, store_timeout, slot
-            )
-    active = slot.current()
+            port = await loop.run_in_executor(None, host.open_store, job_id, store_timeout)
+    active = host.slot.current()
     return {
         "gpu_count": gpus,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -250,30 +154,28 @@ async def probe_worker(
 
 class TemplatePlugin:
     """Gets a worker ready for its ranks as it joins (registered by dask-ddp's scheduler
-    plugin through :class:`~dask_ddp._shared.protocol.NamedWorkerPlugin`): it finds its nanny's
-    template (:func:`dask_ddp._rank.template.find`) and forks a spare. A restart's replacement,
-    or a grown job's new worker, finds the template its nanny kept, its imports done; a
-    fresh cluster's first job waits for what is left of them, not for all. A worker hosting
+    plugin through :class:`~dask_ddp._shared.protocol.NamedWorkerPlugin`): its host
+    (:meth:`~dask_ddp._rank.host.ProcessHost.get_ready`) finds its nanny's template and forks
+    its spares. A restart's replacement, or a grown job's new worker, finds the template its
+    nanny kept, its imports done; a fresh cluster's first job waits for what is left of
+    them, not for all. A worker hosting
     lanes (:mod:`dask_ddp._rank.lanes`) runs its ranks in threads."""
 
     def setup(self, worker: Any) -> None:
-        from . import rankproc
-
-        if slot_for(worker) is PROCESS:
-            rankproc.get_ready(worker)
+        host_for(worker).get_ready()
 
     def teardown(self, worker: Any) -> None:
-        pass  # the spare ends with the worker (its pipe closes), the template with its own
+        pass  # the spares end with the worker (their links close), the template with its own
 
 
 def drop_store(job_id: str, dask_worker: Any = None) -> bool:
     """Close the job's store if no rank took it (the job failed or was cancelled first)."""
-    return slot_for(dask_worker).take_store(job_id) is not None
+    return host_for(dask_worker).slot.take_store(job_id) is not None
 
 
 def request_grow(job_id: str, dask_worker: Any = None) -> bool:
     """Ask ``job_id``'s rank 0 (on this worker) to stop at its next checkpoint to grow."""
-    slot_for(dask_worker).request_grow(job_id)
+    host_for(dask_worker).slot.request_grow(job_id)
     return True
 
 
@@ -292,28 +194,13 @@ def abort_rank(
     rank 0's worker) that its rank 0 did not take is closed: once none of its ranks runs
     here (False), the worker is clean.
     """
-    slot = slot_for(dask_worker)
-    active = slot.stop(job_id, reason, failed_rank)
+    host = host_for(dask_worker)
+    active = host.slot.stop(job_id, reason, failed_rank)
     # The store opened for its rank 0 here, if that rank has not started (it never will).
-    unclaimed = None if any(r.rank == 0 for r in active) else slot.take_store(job_id)
+    unclaimed = None if any(r.rank == 0 for r in active) else host.slot.take_store(job_id)
     # In case its ranks wait at the rendezvous, in C++ (a SIGTERM does not end that wait).
-    # A rank in its own process: rank 0's worker holds the job's store and releases the
-    # waits through it (no connection to a store that may be gone, whose failed tries c10d
-    # logs for seconds); a lane connects to it.
-    held = [r.store for r in active if r.process is not None and r.store is not None]
-    masters = [r.master for r in active if r.process is None and r.master is not None]
-    if unclaimed is not None or held:
-        store = unclaimed if unclaimed is not None else held[0]
-        target: tuple[Any, Any] = (_release_waiters_in, store)
-    elif masters:
-        target = (_release_waiters, masters[0])
-    else:
-        target = (None, None)
-    del unclaimed, held
-    if target[0] is not None:
-        threading.Thread(
-            target=target[0], args=(target[1],), name="dask-ddp-release", daemon=True
-        ).start()
+    host.release_waits(active, unclaimed)
+    del unclaimed
     if not active:
         return False
     logger.info(
@@ -328,13 +215,13 @@ def rank_stacks(job_id: str, dask_worker: Any = None) -> list[tuple[int, str]]:
     (it works while the rank is blocked in C++), in rank order; empty if none runs here."""
     return [
         (run.rank, run.process.stacks())
-        for run in slot_for(dask_worker).running(job_id)
+        for run in host_for(dask_worker).slot.running(job_id)
         if run.process is not None
     ]
 
 
 @contextlib.contextmanager
-def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS) -> Iterator[RankRun]:
+def _claim_slot(spec: RankSpec, run: RankRun, slot: ProcessSlot) -> Iterator[RankRun]:
     def queued(holder: RankRun) -> None:
         # Another job's rank in this process (a worker with several threads): queue behind
         # it, as Dask queues tasks on a single-threaded worker.
@@ -419,11 +306,10 @@ def _thread_share(spec: RankSpec) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _connect_store(
-    spec: RankSpec, run: RankRun, slot: ProcessSlot = PROCESS, own_store: bool = True
-) -> Any:
-    """The job's store, for this rank: rank 0 takes the one its worker opened; the others
-    connect to it, within the rendezvous timeout.
+def _connect_store(spec: RankSpec, run: RankRun, slot: ProcessSlot, lane: bool) -> Any:
+    """The job's store, for this rank: a lane's rank 0 takes the one its worker opened (a
+    rank 0 in its own process connects to the one its worker holds); the others connect to
+    it, within the rendezvous timeout.
 
     The connection is tried in slices of :data:`_CONNECT_SLICE` seconds, with a safe point
     (:meth:`~dask_ddp._rank.slot.RankRun.check_stop`) between them: a rank of a job stopped
@@ -434,8 +320,8 @@ def _connect_store(
     import torch.distributed as dist
 
     rdzv = spec.rendezvous
-    if spec.placement.rank == 0 and own_store:
-        return _take_store(spec, slot)
+    if spec.placement.rank == 0 and lane:
+        return slot.store_for(spec)
     deadline = time.monotonic() + rdzv.rendezvous_timeout
     while True:
         left = deadline - time.monotonic()
@@ -459,21 +345,6 @@ def _connect_store(
             ) from exc
         store.set_timeout(timedelta(seconds=rdzv.rendezvous_timeout))  # its waits' default
         return store
-
-
-def _take_store(spec: RankSpec, slot: ProcessSlot) -> Any:
-    """The store the probe opened for rank 0 on this worker, taken from ``slot``."""
-    store = slot.take_store(spec.run_id)
-    if store is None:
-        raise RendezvousTimeoutError(
-            0,
-            spec.placement.worker,
-            spec.key,
-            0,
-            "the job's store is gone from this worker "
-            "(the worker restarted after launch, or the job was cancelled)",
-        )
-    return store
 
 
 _CONNECT_SLICE = 1.0  # seconds per try to reach rank 0's store (then a safe point)
@@ -512,41 +383,9 @@ def _rendezvous(store: Any, spec: RankSpec, run: RankRun, stage: str = "joined")
             spec.rendezvous.rendezvous_timeout,
             f"only {reached} of {world} ranks {stage}",
         ) from exc
-    if word == _ABORTED:  # abort_rank released the waiters
+    if word == ABORTED:  # abort_rank released the waiters
         run.check_stop()
         raise RankStoppedError(spec.placement.rank, "stopped while ranks gathered", job=spec.run_id)
-
-
-_ABORTED = b"aborted"
-_STAGES = ("joined", "initialised")
-
-
-def _release_waiters(master: tuple[str, int], timeout: float = 5.0) -> None:
-    """Wake every rank of a job that waits in :func:`_rendezvous` or for rank 0's word at a
-    checkpoint (:func:`dask_ddp._rank.resize.at_checkpoint`), marked as aborted.
-
-    A thread inside a C++ store wait (``get``) sees no stop until it returns; without
-    this a stopped job's ranks would wait out the rendezvous timeout and cost their
-    workers a restart.
-    """
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=timeout))
-    except Exception:  # the store is gone: nobody waits on it
-        logger.debug("could not release the rendezvous at %s:%d", *master, exc_info=True)
-        return
-    _release_waiters_in(store)
-
-
-def _release_waiters_in(store: Any) -> None:
-    """:func:`_release_waiters` through ``store``, the job's store or a connection to it."""
-    try:
-        for stage in _STAGES:
-            store.compare_set(f"dask-ddp/{stage}-ready", "", _ABORTED)
-        resize.release_waiters(store, _ABORTED)  # or at a checkpoint of an elastic job
-    except Exception:  # the store is gone: nobody waits on it
-        logger.debug("could not release the rendezvous", exc_info=True)
 
 
 def _first_failure(
@@ -630,22 +469,39 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         channel=channel,
         master=(spec.rendezvous.master_addr, spec.rendezvous.master_port),
     )
-    slot = slot_for(worker)
+    host = host_for(worker)
+    slot = host.slot
+    peer = replicas.PeerLink(worker, spec.job_id)
+
+    def memory() -> tuple[int, int]:
+        return replicas.process_memory(), replicas.memory_limit(worker)
+
+    def in_thread() -> Any:  # a lane: the rank in this thread
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if spec.pass_local_rank:
+            kwargs = {**kwargs, "local_rank": p.local_rank}
+        return _run_in_slot(fn, args, kwargs, spec, run, peer, memory, slot, lane=True)
+
+    def handlers() -> dict[str, Callable[..., Any]]:  # what a rank's process may ask
+        from . import rankproc
+
+        return {
+            "grow": lambda: slot.take_grow_request(spec.run_id),
+            "memory": memory,
+            "replica_put": lambda holder, writer, world, step, fraction, data: peer.put(
+                holder, writer, world, step, data, fraction
+            ),
+            "replica_fetch": lambda *args: rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
+            "dataset_load": _load_dataset_window,
+            "log_event": worker.log_event,
+            "hold_blob": events.hold_blob,
+        }
+
+    work = RankWork(payload, spec, run, worker, _BODY, handlers, in_thread)
     value, error, outcome = None, None, None
     try:
         with _claim_slot(spec, run, slot):
-            if slot is PROCESS:
-                value, error, outcome = _run_process(payload, spec, run, worker, slot)
-            else:
-                fn, args, kwargs = cloudpickle.loads(payload)
-                if spec.pass_local_rank:
-                    kwargs = {**kwargs, "local_rank": p.local_rank}
-                peer = replicas.PeerLink(worker, spec.job_id)
-
-                def memory() -> tuple[int, int]:
-                    return replicas.process_memory(), replicas.memory_limit(worker)
-
-                value = _run_in_slot(fn, args, kwargs, spec, run, peer, memory, slot)
+            value, error, outcome = host.run(work)
     except StopRequested as exc:  # at a safe point before fn (or between its stages)
         error = exc.stopped()
     except BaseException as exc:
@@ -659,52 +515,12 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         undelivered = channel.close(outcome or outcome_of(value, error))
         leftover, run.leftover = run.leftover, None
         slot.release(run, leftover)
-        if p.rank == 0 and slot is PROCESS:  # its job's store was taken: the next one's
-            _STORE_AHEAD.open_later(worker)
+        host.rank_ended(spec)
     if error is not None:  # raised here, out of the handler
         raise error
     if undelivered is not None:
         raise undelivered
     return value
-
-
-def _run_process(
-    payload: bytes, spec: RankSpec, run: RankRun, worker: Any, slot: ProcessSlot
-) -> tuple[Any, BaseException | None, RankOutcome]:
-    """Run the rank in a process of its own (:mod:`dask_ddp._rank.rankproc`), serving what it
-    asks of this worker; rank 0's store stays here, in the worker, until the rank ends."""
-    from . import rankproc
-
-    store = _take_store(spec, slot) if spec.placement.rank == 0 else None
-    run.store = store
-    # Rank 0's store outlives its task by a moment (its peers may still read the last
-    # rendezvous word): let go with the run's leftovers.
-    run.leftover = store
-    peer = replicas.PeerLink(worker, spec.job_id)
-
-    def on_start(process: rankproc.RankProcess) -> None:
-        with slot.lock:
-            run.process = process
-            reason, failed_rank = run.stop_reason, run.stop_failed_rank
-        if reason is not None:  # stopped while it started
-            process.stop(reason, failed_rank)
-
-    handlers = {
-        "grow": lambda: slot.take_grow_request(spec.run_id),
-        "memory": lambda: (replicas.process_memory(), replicas.memory_limit(worker)),
-        "replica_put": lambda holder, writer, world, step, fraction, data: peer.put(
-            holder, writer, world, step, data, fraction
-        ),
-        "replica_fetch": lambda *args: rankproc.RawBytes(_as_bytes(peer.fetch(*args))),
-        "dataset_load": _load_dataset_window,
-        "log_event": worker.log_event,
-        "hold_blob": events.hold_blob,
-    }
-    body = rankproc.RankBody(run_in_process, outcome_of, end_process_group)
-    return rankproc.run(
-        payload, spec, worker, body, channel=run.channel, handlers=handlers, on_start=on_start,
-        grace=spec.failure_grace,
-    )  # fmt: skip
 
 
 def _as_bytes(data: Any) -> Any:
@@ -789,7 +605,6 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
         with _thread_share(spec), _process.platform_start_method():
             value = _run_in_slot(
                 fn, args, kwargs, spec, run, peer, lambda: link.call("memory"), PROCESS,
-                own_store=False,
             )  # fmt: skip
         _cuda_finished()  # the rank's kernels ran before it says it ended
         return value
@@ -833,6 +648,10 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
+#: What a rank's own process runs (pickled by name, with its go).
+_BODY = rankproc.RankBody(run_in_process, outcome_of, end_process_group)
+
+
 def _run_in_slot(
     fn: Callable[..., Any],
     args: tuple,
@@ -842,17 +661,18 @@ def _run_in_slot(
     peer: Any,
     memory: Callable[[], tuple[int, int]],
     slot: ProcessSlot,
-    own_store: bool = True,
+    lane: bool = False,
 ) -> Any:
     """Join the process group and run ``fn`` in ``run``, which holds ``slot``; ``peer``
     reaches the replica stores, ``memory()`` is the worker's memory and its limit.
-    ``own_store``: rank 0 takes the store its process opened (a lane) rather than connect
-    to it (a rank in its own process: the store stays in the worker)."""
+    ``lane``: the rank is a thread of its worker's, sharing its process (rank 0 takes the
+    store its worker opened; the process's streams are not the rank's to forward), not a
+    process of its own (whose rank 0 connects to the store its worker holds)."""
     import torch.distributed as dist
 
     p = spec.placement
     # kept until the task ends, for slow peers
-    store = run.store = _connect_store(spec, run, slot, own_store)
+    store = run.store = _connect_store(spec, run, slot, lane)
     _rendezvous(store, spec, run)
     device = cuda.rank_device(p, spec.run_id)  # cuda:LOCAL_RANK when the plan took effect
     if spec.rendezvous.init_process_group:
@@ -893,7 +713,7 @@ def _run_in_slot(
         with (
             _activated(run, ctx, checkpointing, spec.datasets, saver, resumer),
             # A lane shares its process's streams with the other lanes: nothing to forward.
-            output.forwarded(run.channel) if slot is PROCESS else contextlib.nullcontext(),
+            contextlib.nullcontext() if lane else output.forwarded(run.channel),
         ):
             return fn(*args, **kwargs)
     except BaseException as exc:

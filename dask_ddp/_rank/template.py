@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from distributed.diagnostics.plugin import NannyPlugin
 
@@ -53,11 +53,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "LEAN",
     "PRELOAD",
+    "Template",
     "find",
-    "fork",
-    "lost",
+    "own",
     "prepare",
-    "start",
     "start_here",
 ]
 
@@ -74,6 +73,7 @@ PRELOAD = [
     "torch._dynamo",
     "dask_ddp._rank.tasks",
     "dask_ddp._rank.rankproc",
+    "dask_ddp._rank.host",
     "dask_ddp.data._collection_shard",
     "dask_ddp._rank.template:prepare",  # the template's own set-up, once its imports are done
 ]
@@ -86,6 +86,22 @@ LEAN = [m for m in PRELOAD if m != "torch._dynamo"]
 
 #: The name of the nanny plugin that holds the nanny's process's template for it.
 NANNY_PLUGIN = "dask-ddp-rank-template"
+
+
+class Template(Protocol):
+    """Where a worker's ranks fork from: its nanny's process's template, or its own."""
+
+    def fork(self, target: Callable[..., Any], args: Sequence[Any], fds: Sequence[int],
+             environ: dict[str, str]) -> forkserver.ForkedProcess:  # fmt: skip
+        """A process forked from it, running ``target(fds, *args)`` with ``environ``
+        (:func:`dask_ddp._rank.forkserver.fork`)."""
+
+    def start(self) -> None:
+        """Start it if it is this process's own and not running (its imports go on in its
+        own process: the first fork from it waits for them)."""
+
+    def alive(self) -> bool:
+        """Whether it can still fork (as far as this process can tell)."""
 
 
 class _Own:
@@ -113,6 +129,12 @@ class _Own:
     def fork(self, target: Callable[..., Any], args: Sequence[Any], fds: Sequence[int],
              environ: dict[str, str]) -> forkserver.ForkedProcess:  # fmt: skip
         return forkserver.fork(self.address()[0], target, args, fds, environ)
+
+    def start(self) -> None:
+        self.address()
+
+    def alive(self) -> bool:
+        return True  # started again on the next fork if it ended
 
     def hold(self) -> None:
         """A nanny in this process holds it for its workers."""
@@ -150,6 +172,9 @@ class _Nanny:
             self.gone = True  # the next probe asks the nanny again (find)
             raise
 
+    def start(self) -> None:
+        pass  # its nanny's process started it
+
     def alive(self) -> bool:
         """Whether it can still fork (as far as this worker can tell)."""
         if self.gone:
@@ -161,23 +186,12 @@ class _Nanny:
         return True
 
 
-_own = _Own()  # this process's own template (started on first use)
-_here: _Own | _Nanny = _own  # where this worker's ranks fork from
+_own = _Own()  # this process's own template (started on first use), its nannies' too
 
 
-def fork(
-    target: Callable[..., Any], args: Sequence[Any], fds: Sequence[int], environ: dict[str, str]
-) -> forkserver.ForkedProcess:
-    """A process forked from this worker's template, running ``target(fds, *args)`` with
-    ``environ`` (:func:`dask_ddp._rank.forkserver.fork`)."""
-    return _here.fork(target, args, fds, environ)
-
-
-def start() -> None:
-    """Start this worker's template if it is its own and not running; its imports go on in
-    its own process (the first fork from it waits for them)."""
-    if isinstance(_here, _Own):
-        _here.address()
+def own() -> _Own:
+    """This process's own template: a worker's until its nanny's is found (:func:`find`)."""
+    return _own
 
 
 def start_here(lean: bool = False) -> None:
@@ -189,24 +203,18 @@ def start_here(lean: bool = False) -> None:
     _own.address()
 
 
-def lost() -> bool:
-    """Whether this worker's template is its nanny's, and gone (died, or stopped)."""
-    here = _here
-    return isinstance(here, _Nanny) and not here.alive()
-
-
-async def find(worker: Any) -> None:
-    """Ask ``worker``'s nanny for its process's template, which its ranks fork from from then
-    on; where there is no nanny, or it cannot say, the worker keeps its own (logged). A
-    nanny whose template went (a fork from it failed) is asked again: it starts another."""
-    global _here
-    if worker.nanny is None or (isinstance(_here, _Nanny) and _here.alive()):
-        return
+async def find(worker: Any, current: Template) -> Template:
+    """The template ``worker``'s ranks fork from from now on: ``current`` while it is its
+    nanny's and still forks; else its nanny's process's template, asked of the nanny (a
+    nanny whose template went starts another); where there is no nanny, or it cannot say,
+    this process's own (logged)."""
+    if worker.nanny is None or (isinstance(current, _Nanny) and current.alive()):
+        return current
     from .._shared import dask_internals
 
-    if isinstance(_here, _Nanny):
+    if isinstance(current, _Nanny):
         logger.info("dask-ddp: worker %s asks its nanny for its rank template again: the "
-                    "one at %s is gone", worker.address, _here.address)  # fmt: skip
+                    "one at %s is gone", worker.address, current.address)  # fmt: skip
     try:
         address, pid = await dask_internals.run_in_nanny(worker, _hold_for_nanny)
     except Exception as exc:  # the worker's own template does as well
@@ -214,9 +222,8 @@ async def find(worker: Any) -> None:
             "dask-ddp: worker %s starts its own rank template: its nanny %s could not hold "
             "one (%s)", worker.address, worker.nanny, exc,
         )  # fmt: skip
-        _here = _own
-        return
-    _here = _Nanny(address, pid)
+        return _own
+    return _Nanny(address, pid)
 
 
 async def _hold_for_nanny(dask_worker: Any) -> tuple[str, int]:

@@ -6,7 +6,7 @@ terminal:
 
 - the worker dies with the command (``PR_SET_PDEATHSIG``): a command killed by a signal,
   or one that exits at once after a rank failed, leaves no worker behind;
-- (with :mod:`dask_ddp._rank.rankproc`, the second preload) the template its ranks' processes
+- (with :mod:`dask_ddp._rank.host`, the second preload) the template its ranks' processes
   fork from starts in a background thread while the worker registers, so the first rank
   task does not wait for its imports (about 3 s of a cold start);
 - the worker's "Compute Failed" log block for a rank task is dropped: the command prints
