@@ -306,9 +306,12 @@ def test_a_spare_reads_its_go_itself_and_its_reader_takes_over() -> None:
     link = rankproc.RankLink(rank_end, rankproc._ThreadAhead(), [])
     with pytest.raises(queue.Empty):
         link.next_go(0.05)
-    task_end.send(("go", b"payload"))
-    assert link.next_go(5) == ("go", b"payload")
-    task_end.send(("stop", "stopped by the test", 1))
+    from dask_ddp._rank import link as wire
+
+    go = wire.Go(b"payload", None, None, None, None)
+    task_end.send(go)
+    assert link.next_go(5) == go
+    task_end.send(wire.Stop("stopped by the test", 1))
     assert link.stop_told.wait(5)  # the reader took it
     assert link.stop == ("stopped by the test", 1)
     task_end.close()
@@ -323,7 +326,9 @@ def test_a_spare_stopped_or_let_go_before_its_go_just_returns(first: str) -> Non
     task_end, rank_end = multiprocessing.Pipe(duplex=True)
     link = rankproc.RankLink(rank_end, rankproc._ThreadAhead(), [])
     if first == "stop":
-        task_end.send(("stop", "cancelled while it started", None))
+        from dask_ddp._rank import link as wire
+
+        task_end.send(wire.Stop("cancelled while it started", None))
     else:
         task_end.close()
     assert link.next_go(5) is None

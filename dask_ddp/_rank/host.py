@@ -165,8 +165,15 @@ class ProcessHost(RankHost):
 
     def fork_helper(self, target: Callable[..., None], args: tuple, conns: list[Any]) -> Any:
         """(A thread of the worker's.) A helper process forked from the template
-        (:func:`dask_ddp._rank.rankproc.fork_helper`)."""
-        return self._again_if_lost(lambda: rankproc.fork_helper(self.template, target, args, conns))
+        (:func:`dask_ddp._rank.rankproc.fork_helper`); ``conns``, the helper's ends of its
+        links, are closed here once it has them."""
+        try:
+            return self._again_if_lost(
+                lambda: rankproc.fork_helper(self.template, target, args, conns)
+            )
+        finally:
+            for conn in conns:
+                conn.close()
 
     # -- getting ready ----------------------------------------------------------------------
     def get_ready(self) -> None:

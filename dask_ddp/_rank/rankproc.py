@@ -62,6 +62,7 @@ from typing import Any, NamedTuple
 import cloudpickle
 
 from .._shared.protocol import RankOutcome, RankSpec
+from . import link as wire
 
 logger = logging.getLogger(__name__)
 
@@ -110,16 +111,13 @@ class RankProcess:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
-    def send(self, message: tuple) -> None:
-        """Send one message to the process; nothing if it is gone."""
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Send one record (:mod:`dask_ddp._rank.link`) to the process; nothing if it is
+        gone."""
         with self._send_lock, contextlib.suppress(OSError, ValueError):
             self.conn.send(message)
 
-    def send_bytes(self, message: tuple, data: Any) -> None:
-        """Send a header, then ``data`` as raw bytes (the process reads it in place)."""
-        self.send_many(message, [data])
-
-    def send_many(self, message: tuple, buffers: list[Any]) -> None:
+    def send_many(self, message: tuple[Any, ...], buffers: list[Any]) -> None:
         """Send a header, then each of ``buffers`` as raw bytes, together."""
         with self._send_lock, contextlib.suppress(OSError, ValueError):
             self.conn.send(message)
@@ -142,7 +140,7 @@ class RankProcess:
             if self.stop_reason is not None:
                 return
             self.stop_reason = reason
-        self.send(("stop", reason, failed_rank))
+        self.send(wire.Stop(reason, failed_rank))
         self._signal(signal.SIGTERM)
         timer = threading.Timer(self.grace, self.kill)
         timer.daemon = True
@@ -263,7 +261,7 @@ def run(
     try:
         on_start(handle)
         turn = channel.hand_over()  # the rank's process goes on with the channel's stream
-        handle.send(("go", payload, spec, WorkerStandIn.of(worker), body, turn))
+        handle.send(wire.Go(payload, spec, WorkerStandIn.of(worker), body, turn))
         ended = _relay(handle, channel, handlers, pool)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -328,13 +326,10 @@ def fork_helper(
     """(In a thread of the worker's.) Start ``target(*conns, *args)`` in a helper process
     forked from ``template``, with the worker's environment (:func:`worker_environ`) and a
     terminal's Ctrl-C left to the worker; ``conns`` are the helper's ends of links
-    (:func:`link_pair`), closed here once it has them."""
-    try:
-        fds = [conn.fileno() for conn in conns]
-        return template.fork(_helper_main, (target, args), fds, worker_environ())
-    finally:
-        for conn in conns:
-            conn.close()
+    (:func:`link_pair`), for the caller to close once it has them (a failed fork may be
+    tried again)."""
+    fds = [conn.fileno() for conn in conns]
+    return template.fork(_helper_main, (target, args), fds, worker_environ())
 
 
 def _helper_main(fds: list[int], target: Callable[..., None], args: tuple) -> None:
@@ -397,29 +392,29 @@ def _relay(
             message = conn.recv()
         except (EOFError, OSError):
             return None
-        kind = message[0]
-        if kind == "emit":  # an event of the rank's channel
-            channel.relayed(message[1], message[2])
-        elif kind == "blob":  # a large message, kept here for its client
-            handlers["hold_blob"](message[1], message[2])
-        elif kind == "event":  # the rank's get_worker().log_event
-            handlers["log_event"](message[1], message[2])
-        elif kind == "call":
-            _, call_id, name, args, has_data = message
-            if has_data:  # its buffer follows at once
+        if isinstance(message, wire.Emit):  # an event of the rank's channel
+            channel.relayed(message.topic, message.event)
+        elif isinstance(message, wire.Blob):  # a large message, kept here for its client
+            handlers["hold_blob"](message.key, message.message)
+        elif isinstance(message, wire.LogEvent):  # the rank's get_worker().log_event
+            handlers["log_event"](message.topic, message.message)
+        elif isinstance(message, wire.Call):
+            args = message.args
+            if message.has_data:  # its buffer follows at once
                 try:
                     args = (*args, conn.recv_bytes())
                 except (EOFError, OSError):
                     return None
-            pool.submit(_answer, handle, handlers, call_id, name, args)
-        elif kind == "hello":
+            pool.submit(_answer, handle, handlers, message.call_id, message.name, args)
+        elif isinstance(message, wire.Hello):
             with handle._lock:
-                handle.group = message[1]
+                handle.group = message.group
             if handle.stop_reason is not None:  # stopped before it led its group
                 handle._signal(signal.SIGTERM)
-        elif kind == "end":
-            _, value, error, outcome, handle.used_cuda = message
-            return _loaded(value), _loaded(error), RankOutcome.from_wire(outcome)
+        elif isinstance(message, wire.End):
+            handle.used_cuda = message.used_cuda
+            outcome = RankOutcome.from_wire(message.outcome)
+            return _loaded(message.value), _loaded(message.error), outcome
 
 
 def _answer(
@@ -428,17 +423,17 @@ def _answer(
     try:
         value = handlers[name](*args)
     except BaseException as exc:  # sent to the rank, which raises it
-        handle.send(("reply", call_id, False, cloudpickle.dumps(_picklable(exc))))
+        handle.send(wire.Reply(call_id, False, cloudpickle.dumps(_picklable(exc))))
         return
     if isinstance(value, RawBytes):
-        handle.send_bytes(("reply-bytes", call_id, len(value.data)), value.data)
+        handle.send_many(wire.ReplyBytes(call_id, len(value.data)), [value.data])
     elif isinstance(value, OutOfBand):
         buffers: list[Any] = []
         head = cloudpickle.dumps(value.value, protocol=5, buffer_callback=buffers.append)
         raw = [b.raw() for b in buffers]
-        handle.send_many(("reply-oob", call_id, head, [r.nbytes for r in raw]), raw)
+        handle.send_many(wire.ReplyOutOfBand(call_id, head, [r.nbytes for r in raw]), raw)
     else:
-        handle.send(("reply", call_id, True, cloudpickle.dumps(value)))
+        handle.send(wire.Reply(call_id, True, cloudpickle.dumps(value)))
 
 
 class RawBytes:
@@ -524,10 +519,10 @@ class RankLink:
         self.stop: tuple[str, int | None] | None = None
         self.on_stop: Callable[[str, int | None], None] | None = None
 
-    def next_go(self, timeout: float | None = None) -> tuple | None:
-        """The rank's go message, once it came (None: the worker let this spare go, or
-        stopped it first). The spare's own thread reads it: the rank's start waits for no
-        other thread's wake-up. The link's reader takes over from there.
+    def next_go(self, timeout: float | None = None) -> wire.Go | None:
+        """The rank's go (:class:`~dask_ddp._rank.link.Go`), once it came (None: the worker
+        let this spare go, or stopped it first). The spare's own thread reads it: the rank's
+        start waits for no other thread's wake-up. The link's reader takes over from there.
 
         Raises
         ------
@@ -541,7 +536,7 @@ class RankLink:
             message = conn.recv()
         except (EOFError, OSError):
             return None
-        if message[0] != "go":  # a stop (the only message a spare gets before its go)
+        if not isinstance(message, wire.Go):  # a stop (all a spare may get before its go)
             return None
         self._reader.run(self._read)
         return message
@@ -573,7 +568,7 @@ class RankLink:
             )
             raise ChannelError(self.rank, self.job_id, why)
 
-    def _send(self, message: tuple, data: Any = None) -> None:
+    def _send(self, message: tuple[Any, ...], data: Any = None) -> None:
         """Send ``message`` (and ``data`` after it, as raw bytes, if given), together."""
         from ..errors import ChannelError
 
@@ -589,15 +584,15 @@ class RankLink:
 
     def emit(self, topic: str, event: dict[str, Any]) -> None:
         """One event of the rank's channel, for its worker's ``log_event``."""
-        self._send(("emit", topic, event))
+        self._send(wire.Emit(topic, event))
 
     def hold_blob(self, key: str, msg: list[Any]) -> None:
         """Keep a large message in the worker, for the client that fetches it."""
-        self._send(("blob", key, msg))
+        self._send(wire.Blob(key, msg))
 
     def log_event(self, topic: str | list[str], msg: Any) -> None:
         """The rank's own ``get_worker().log_event``."""
-        self._send(("event", topic, msg))
+        self._send(wire.LogEvent(topic, msg))
 
     def call(self, name: str, *args: Any, data: Any = None, timeout: float | None = None) -> Any:
         """Ask the rank's worker to run its handler ``name`` on ``args`` (and ``data``, a
@@ -606,7 +601,7 @@ class RankLink:
         call_id = next(self._call_ids)  # atomic under the GIL: no lock needed
         self._calls[call_id] = future
         try:
-            self._send(("call", call_id, name, args, data is not None), data)
+            self._send(wire.Call(call_id, name, args, data is not None), data)
         except BaseException:
             self._calls.pop(call_id, None)
             raise
@@ -617,7 +612,7 @@ class RankLink:
         how it ended."""
         with self._lock:
             self._closed = True
-            self.conn.send(("end", value, error, outcome.to_wire(), _cuda_started()))
+            self.conn.send(wire.End(value, error, outcome.to_wire(), _cuda_started()))
 
     def _read(self) -> None:
         conn = self.conn
@@ -626,37 +621,33 @@ class RankLink:
                 message = conn.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "stop":
-                self.stop = (message[1], message[2])
+            if isinstance(message, wire.Stop):
+                self.stop = (message.reason, message.failed_rank)
                 if self.on_stop is not None:
-                    self.on_stop(message[1], message[2])
+                    self.on_stop(message.reason, message.failed_rank)
                 self.stop_told.set()
-            elif kind == "reply":
-                _, call_id, ok, data = message
-                future = self._calls.pop(call_id, None)
+            elif isinstance(message, wire.Reply):
+                future = self._calls.pop(message.call_id, None)
                 if future is not None:
-                    value = cloudpickle.loads(data)
-                    future.set_result(value) if ok else future.set_exception(value)
-            elif kind == "reply-bytes":
-                _, call_id, nbytes = message
+                    value = cloudpickle.loads(message.data)
+                    future.set_result(value) if message.ok else future.set_exception(value)
+            elif isinstance(message, wire.ReplyBytes):
                 import torch
 
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                buffer = torch.empty(message.nbytes, dtype=torch.uint8)
                 conn.recv_bytes_into(buffer.numpy())
-                future = self._calls.pop(call_id, None)
+                future = self._calls.pop(message.call_id, None)
                 if future is not None:
                     future.set_result(buffer)
-            elif kind == "reply-oob":
-                _, call_id, head, sizes = message
+            elif isinstance(message, wire.ReplyOutOfBand):
                 buffers = []
-                for nbytes in sizes:
+                for nbytes in message.sizes:
                     buffer = bytearray(nbytes)
                     conn.recv_bytes_into(buffer)
                     buffers.append(buffer)
-                future = self._calls.pop(call_id, None)
+                future = self._calls.pop(message.call_id, None)
                 if future is not None:
-                    future.set_result(cloudpickle.loads(head, buffers=buffers))
+                    future.set_result(cloudpickle.loads(message.head, buffers=buffers))
         # The worker is gone (killed, or its task ended before this process): so is the rank.
         with self._lock:
             ending = self._closed or not self._begun
@@ -768,7 +759,7 @@ class _Unsent:
     (:meth:`RankLink.emit`), and goes nowhere."""
 
     def emit(self, topic: str, event: dict[str, Any]) -> None:
-        pickle.dumps(("emit", topic, event), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dumps(wire.Emit(topic, event), protocol=pickle.HIGHEST_PROTOCOL)
 
     def hold_blob(self, key: str, msg: list[Any]) -> None:
         pass
@@ -813,7 +804,7 @@ def _cuda_started() -> bool:
 def _rank_main(fds: list[int]) -> None:
     """A rank's process, forked from its worker's template ahead of its rank, with its
     worker's environment (``fds``: its end of the link, and where its stacks go): it waits
-    for ``("go", payload, spec, worker, body)``, then runs the rank and says how it ended.
+    for its :class:`~dask_ddp._rank.link.Go`, then runs the rank and says how it ended.
     Its template is a plain interpreter (no ``multiprocessing`` parent): it may start
     DataLoader workers as torchrun's processes do."""
     link_fd, stacks_fd = fds
@@ -823,7 +814,7 @@ def _rank_main(fds: list[int]) -> None:
     os.register_at_fork(after_in_child=_reset_in_forked_child)
     link = RankLink(conn, _ThreadAhead(), [_ThreadAhead()])  # and the rank's channel's
     try:
-        conn.send(("hello", os.getpgid(0)))
+        conn.send(wire.Hello(os.getpgid(0)))
     except OSError:  # the worker went, or let this spare go
         return
     try:
@@ -833,7 +824,7 @@ def _rank_main(fds: list[int]) -> None:
         go = link.next_go()
     if go is None:
         return
-    _, payload, spec, worker, body, turn = go
+    payload, spec, worker, body, turn = go
     from .._shared import dask_internals
 
     dask_internals.act_for_worker(worker)
