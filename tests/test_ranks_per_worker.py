@@ -252,3 +252,30 @@ def test_nproc_per_node_without_a_scheduler_starts_one_worker_of_its_ranks(
     said = re.findall(r"RANK (\d) WORKER (tcp://[0-9.]+:\d+)", done.stdout)
     assert sorted(int(rank) for rank, _ in said) == [0, 1, 2], done.stdout
     assert len({worker for _, worker in said}) == 1  # one worker holds the three
+
+
+def _my_device() -> tuple[int, str, str, int]:
+    import torch
+
+    ctx = dask_ddp.get_context()
+    return (
+        ctx.local_rank,
+        str(ctx.device),
+        os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        torch.cuda.device_count(),
+    )
+
+
+@pytest.mark.gpu
+def test_the_ranks_behind_one_worker_each_have_a_gpu_and_see_them_all() -> None:
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2 GPUs behind one worker; this machine has {gpus}")
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        out = dask_ddp.launch(client, _my_device, ranks_per_worker="gpu").result(timeout=180)
+    assert [local for local, *_ in out] == list(range(gpus))
+    assert [device for _, device, *_ in out] == [f"cuda:{i}" for i in range(gpus)]
+    assert {count for *_, count in out} == {gpus}  # every rank sees every GPU of the host
