@@ -259,6 +259,25 @@ def test_a_rank_s_first_full_collection_leaves_the_template_s_objects_alone(
         assert collected >= 1  # the cycle
 
 
+def _said_by_a_fork(preload: list[str], target: Any) -> str:
+    """What ``target(fds)`` writes into ``fds[0]`` in a process forked from a fork server
+    that preloaded ``preload`` (the process must end well)."""
+    from dask_ddp._rank import forkserver
+
+    server = forkserver.start(preload)
+    read, write = os.pipe()
+    try:
+        process = forkserver.fork(server.address, target, (), [write])
+        os.close(write)
+        process.join(180)
+        with os.fdopen(read) as result:
+            said = result.read()
+    finally:
+        server.stop()
+    assert process.exitcode == 0, said
+    return said
+
+
 def _set_up_here(fds: list[int]) -> None:
     """In a process forked from a fork server: what the template's set-up leaves."""
     import gc
@@ -275,22 +294,10 @@ def test_only_the_template_sets_itself_up(template: bool) -> None:
     # points on a backend's first use: 6-10 ms of each rank's process) and freezes its
     # objects before each fork. Any other fork server (and any process that imports the
     # module: the suite's doctests) is left as it was.
-    from dask_ddp._rank import forkserver
-
     preload = ["torch.distributed", "dask_ddp._rank.template"]
     if template:
         preload.append("dask_ddp._rank.template:prepare")
-    server = forkserver.start(preload)
-    read, write = os.pipe()
-    try:
-        process = forkserver.fork(server.address, _set_up_here, (), [write])
-        os.close(write)
-        process.join(120)
-        with os.fdopen(read) as result:
-            said = result.read().split()
-    finally:
-        server.stop()
-    assert process.exitcode == 0
+    said = _said_by_a_fork(preload, _set_up_here).split()
     assert said == [str(template), "True"]  # every fork server freezes before it forks
 
 
@@ -536,19 +543,10 @@ def test_the_template_never_initialises_cuda() -> None:
     # template imports what every rank imports, and sets itself up, without starting it.
     import ast
 
-    from dask_ddp._rank import forkserver, template
+    from dask_ddp._rank import template
 
-    server = forkserver.start(["cuda_watch", *template.PRELOAD])
-    read, write = os.pipe()
-    try:
-        process = forkserver.fork(server.address, _cuda_calls, (), [write])
-        os.close(write)
-        process.join(180)
-        with os.fdopen(read) as result:
-            calls, initialised, where = ast.literal_eval(result.read())
-    finally:
-        server.stop()
-    assert process.exitcode == 0
+    said = _said_by_a_fork(["cuda_watch", *template.PRELOAD], _cuda_calls)
+    calls, initialised, where = ast.literal_eval(said)
     assert (calls, initialised) == (0, False), where
 
 

@@ -105,6 +105,7 @@ def test_ranks_per_worker_gpu_runs_a_rank_per_gpu(client: Client) -> None:
     assert len(out) == 6
     # Six ranks on one host of 3 GPUs: local ranks 0..5 share them, cuda:LOCAL_RANK % 3.
     assert [local for local, _ in out] == [0, 1, 2, 3, 4, 5]
+    assert [device for _, device in out] == ["cuda:0", "cuda:1", "cuda:2"] * 2
 
 
 @pytest.mark.smoke

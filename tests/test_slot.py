@@ -177,3 +177,44 @@ def test_ranks_released_by_an_abort_all_stop_at_the_rendezvous_even_the_last_to_
         spec = _spec("released", rank=r, world=2, host="127.0.0.1", port=store.port)
         with pytest.raises(dask_ddp.RankStoppedError, match="stopped while ranks gathered"):
             bootstrap._rendezvous(store, spec, _run("released", r))
+
+
+def test_random_claims_stops_and_releases_keep_one_job_s_ranks_in_a_slot() -> None:
+    # The model: a worker's slot holds the ranks of one job at a time (several ranks per
+    # worker), another job's rank waits (here: a claim that does not wait, refused), a stop
+    # reaches exactly that job's ranks and any of its ranks that come later, a release
+    # frees one rank only. Random events, the invariants after each.
+    import random
+
+    rng = random.Random(56)
+    for _ in range(300):
+        slot = ProcessSlot()
+        held: list[RankRun] = []  # what the model says holds the slot
+        stopped: set[str] = set()
+        for n in range(40):
+            event = rng.choice(["claim", "claim", "release", "stop"])
+            job = rng.choice(["a", "b", "c"])
+            if event == "claim":
+                run = RankRun(job, f"{job}-{n}", rng.randrange(4))
+                took = slot.claim(run, timeout=0)
+                others = [r for r in held if r.job_id != job]
+                if job in stopped and others:
+                    assert took and all(r is not run for r in slot.runs)  # ends without it
+                elif others:
+                    assert not took
+                else:
+                    assert took
+                    held.append(run)
+            elif event == "release" and held:
+                run = rng.choice(held)
+                slot.release(run)
+                held = [r for r in held if r is not run]
+            elif event == "stop":
+                asked = slot.stop(job, "stopped by the model", None)
+                assert asked == [r for r in held if r.job_id == job]
+                assert all(r.stop_reason == "stopped by the model" for r in asked)
+                assert slot.stopped_before_start(job) == ("stopped by the model", None)
+                stopped.add(job)
+            assert slot.runs == held
+            assert len({r.job_id for r in slot.runs}) <= 1
+            assert slot.running() == sorted(held, key=lambda r: r.rank)

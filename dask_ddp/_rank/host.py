@@ -332,15 +332,7 @@ class ProcessHost(RankHost):
         this worker; rank 0's store stays here, in the worker, until the rank ends."""
         spec, run, slot = work.spec, work.run, self.slot
         if spec.placement.rank == 0:
-            store = run.store = slot.take_store(spec.run_id)
-            if store is None:
-                from ..errors import RendezvousTimeoutError
-
-                raise RendezvousTimeoutError(
-                    0, spec.placement.worker, spec.key, 0,
-                    "the job's store is gone from this worker "
-                    "(the worker restarted after launch, or the job was cancelled)",
-                )  # fmt: skip
+            store = run.store = slot.store_for(spec)
             # Rank 0's store outlives its task by a moment (its peers may still read the last
             # rendezvous word): let go with the run's leftovers.
             run.leftover = store

@@ -321,7 +321,7 @@ class ProcessSlot:
             timer.daemon = True
             timer.start()
         with self._free:
-            if run in self.runs:
+            if any(r is run for r in self.runs):  # (runs compare by value: this one only)
                 self.runs = [r for r in self.runs if r is not run]
                 self._free.notify_all()
 
