@@ -10,34 +10,6 @@ import torch.distributed as dist
 from dask_ddp._rank import process
 
 
-def _grandchild() -> None:
-    pass
-
-
-def _daemonic(allowed: bool, results: multiprocessing.Queue) -> None:
-    with process.children_allowed(allowed):
-        try:
-            child = multiprocessing.get_context("fork").Process(target=_grandchild)
-            child.start()
-            child.join()
-            results.put("started")
-        except AssertionError as exc:  # "daemonic processes are not allowed to have children"
-            results.put(str(exc))
-    results.put(multiprocessing.current_process().daemon)
-
-
-@pytest.mark.parametrize("allowed", [True, False])
-def test_children_allowed_lifts_the_daemon_flag_for_the_block(allowed: bool) -> None:
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_daemonic, args=(allowed, results), daemon=True)
-    proc.start()
-    outcome, daemon_after = results.get(timeout=60), results.get(timeout=60)
-    proc.join(60)
-    assert outcome == "started" if allowed else "daemonic" in outcome
-    assert daemon_after is True  # restored after the block
-
-
 @pytest.mark.parametrize(
     ("exc", "lost"),
     [

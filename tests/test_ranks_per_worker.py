@@ -78,6 +78,29 @@ def test_two_ranks_on_each_of_two_workers(client: Client) -> None:
     assert dask_ddp.launch(client, dist.get_world_size).result(timeout=60) == [2, 2]
 
 
+def test_two_ranks_on_each_of_two_dask_worker_processes(dask_processes: Any) -> None:
+    def where() -> tuple[int, int, str, int]:  # pickled by value: `dask worker` has no tests/
+        import distributed
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        rank = dist.get_rank()
+        return rank, int(os.environ["LOCAL_RANK"]), distributed.get_worker().address, int(t)
+
+    with Client(dask_processes.address) as client:
+        client.wait_for_workers(2, timeout=120)
+        out = dask_ddp.launch(client, where, workers=2, ranks_per_worker=2).result(timeout=180)
+        pids = client.run(os.getpid)
+    assert [rank for rank, *_ in out] == [0, 1, 2, 3]
+    assert [local for _, local, *_ in out] == [0, 1, 2, 3]  # one host: its four ranks
+    workers = [w for _, _, w, _ in out]
+    assert workers[0] == workers[1] != workers[2] == workers[3]
+    assert sorted(set(workers)) == sorted(pids)
+    assert {total for *_, total in out} == {4}
+
+
 def test_dispatch_run_takes_ranks_per_worker(client: Client) -> None:
     futures = dask_ddp.dispatch.run(client, dist.get_rank, ranks_per_worker=2)
     assert [f.result(timeout=120) for f in futures] == [0, 1, 2, 3]

@@ -192,7 +192,7 @@ def torchrun_table() -> str:
     docs/scripts.md.
 
     >>> print(torchrun_table().splitlines()[3])
-    | `--nnodes N\\|MIN:MAX` | works | nodes (default 1); ...
+    | `--nnodes N\\|MIN:MAX` | works | nodes (hosts; default 1); ...
     """
     kinds = {"used": "works", "rendezvous": "accepted", "ignored": "ignored"}
     rows = ["| torchrun | dask_ddp | what it does here |", "|---|---|---|"]
