@@ -40,6 +40,26 @@ def small_cnn() -> torch.nn.Module:
     )  # fmt: skip
 
 
+def ddp_steps_per_second(steps: int, warmup: int) -> float:
+    """Train :func:`small_cnn` under DDP (the default process group) for ``warmup`` untimed
+    and ``steps`` timed steps of batch 32; the timed steps per second (0 for none)."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(small_cnn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    start = time.perf_counter()
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return steps / (time.perf_counter() - start) if steps else 0.0
+
+
 def median(values: Iterable[float]) -> float:
     """The median, or NaN for no values (a tool that did not run).
 

@@ -24,8 +24,7 @@ import time
 from typing import Any
 
 import psutil
-import torch
-from _common import command_line, median, small_cnn, versions
+from _common import command_line, ddp_steps_per_second, median, versions
 
 RANKS = 4
 
@@ -35,26 +34,14 @@ def rank_fn(steps: int, warmup: int, hold: float, pids: str | None = None) -> di
     into the folder ``pids``: its memory is read meanwhile); when it entered, its steps per
     second and its pid."""
     entered = time.time()
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(small_cnn())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
-    start = time.perf_counter()
-    for step in range(warmup + steps):
-        if step == warmup:
-            start = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    elapsed = time.perf_counter() - start
+    steps_per_s = ddp_steps_per_second(steps, warmup)
     if pids is not None:
         with open(os.path.join(pids, str(os.getpid())), "w"):
             pass
     time.sleep(hold)
     return {
         "entered": entered,
-        "steps_per_s": steps / elapsed if steps else 0.0,
+        "steps_per_s": steps_per_s,
         "pid": os.getpid(),
     }
 
