@@ -50,6 +50,7 @@ class Settings:
     threads_per_rank: int | None
     tune_malloc: bool = True
     max_event_bytes: int = 64_000  # ddp.max-event-bytes: 64kB
+    result_limit: int = 1_048_576  # ddp.result-limit: 1MiB
     event_flush_interval: float = 0.05
     job_event_rate: float = 2000.0
     event_drain_timeout: float = 10.0
@@ -152,6 +153,7 @@ def resolve(
         threads_per_rank=_optional_int(get("ddp.threads-per-rank"), "threads-per-rank"),
         tune_malloc=bool(get("ddp.tune-malloc")),
         max_event_bytes=_bytes(get("ddp.max-event-bytes"), "max-event-bytes"),
+        result_limit=_bytes(get("ddp.result-limit"), "result-limit"),
         event_flush_interval=_seconds(get("ddp.event-flush-interval"), "event-flush-interval"),
         job_event_rate=_rate(get("ddp.job-event-rate"), "job-event-rate"),
         event_drain_timeout=_seconds(get("ddp.event-drain-timeout"), "event-drain-timeout"),

@@ -331,16 +331,26 @@ class WorkerLostError(InfrastructureError):
     rank 1 was lost: its worker tcp://10.0.0.7:40311 left the cluster while it ran task ...
     """
 
-    def __init__(self, rank: int, worker: str, key: str, finished: bool = False) -> None:
-        super().__init__(rank, worker, key, finished)
+    def __init__(
+        self, rank: int, worker: str, key: str, finished: bool = False, limit: int | None = None
+    ) -> None:
+        super().__init__(rank, worker, key, finished, limit)
         self.rank, self.worker, self.key, self.finished = rank, worker, key, finished
+        self.limit = limit  # finished: ddp.result-limit, the largest value the cluster holds
 
     def __str__(self) -> str:
         if self.finished:
+            held = (
+                f"values up to ddp.result-limit ({self.limit:,} bytes pickled) are held by the "
+                "job's supervisor; larger ones"
+                if self.limit
+                else "its values"
+            )
             return (
                 f"rank {self.rank}'s return value was lost: its worker {self.worker} left the "
-                f"cluster after task {self.key} finished. The job succeeded; its values live "
-                "on the ranks' workers until the job is forgotten."
+                f"cluster after task {self.key} finished. The job succeeded; {held} live only "
+                "on the ranks' workers until the job is forgotten. Return a smaller value (save "
+                "a large one to storage and return its path), or raise ddp.result-limit."
             )
         return (
             f"rank {self.rank} was lost: its worker {self.worker} left the cluster while it ran "

@@ -351,34 +351,57 @@ def _task_states(keys: list[str], dask_scheduler=None) -> list[str | None]:
     return [getattr(dask_scheduler.tasks.get(k), "state", None) for k in keys]
 
 
+def _rank_and_bytes(nbytes: int) -> tuple[int, bytes]:
+    return dask_ddp.get_context().rank, b"x" * nbytes
+
+
+def _kill_and_wait_for_return(client: Client, victim: str) -> None:
+    """SIGKILL ``victim``'s worker process; return once a new one answers at its address."""
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGKILL)
+
+    def back() -> bool:
+        with contextlib.suppress(Exception):
+            now = client.run(os.getpid, workers=[victim]).get(victim)
+            return isinstance(now, int) and now != pid
+        return False
+
+    poll_for(back, timeout=120, period=0.2)
+
+
 def test_a_finished_rank_never_runs_again_where_its_worker_comes_back() -> None:
     # Deployments often fix a worker's port (dask worker --worker-port, a pod that comes back
     # at its address): a worker restarted there is, to the scheduler, where a lost value may
-    # be computed again. A rank never runs twice: its value went with the worker, and its
-    # future says so.
+    # be computed again. A rank never runs twice: its future says its value went with the
+    # worker. A small value (up to ddp.result-limit, 1 MiB by default) is held by the job's
+    # supervisor as well: result() still returns every one, to any client; a larger one
+    # went with the worker, and the error says the limit.
     cluster = DaskProcesses(0)
     try:
         cluster.workers = [cluster.add_worker(worker_port=_free_port()) for _ in range(2)]
         with Client(cluster.address) as client:
             client.wait_for_workers(2, timeout=120)
-            job = dask_ddp.launch(client, _rank_number)
-            assert job.result(timeout=120) == [0, 1]
+            job = dask_ddp.launch(client, _rank_and_bytes, args=(10,))
+            assert job.result(timeout=120) == [(0, b"x" * 10), (1, b"x" * 10)]
             keys = [f.key for f in job.futures]
-            victim = job.workers[1]
-            pid = client.run(os.getpid, workers=[victim])[victim]
-            os.kill(pid, signal.SIGKILL)
-
-            def back() -> bool:  # a new process, at the same address
-                with contextlib.suppress(Exception):
-                    now = client.run(os.getpid, workers=[victim]).get(victim)
-                    return isinstance(now, int) and now != pid
-                return False
-
-            poll_for(back, timeout=120, period=0.2)
+            _kill_and_wait_for_return(client, job.workers[1])
             assert client.run_on_scheduler(_task_states, keys) == ["memory", "erred"]
             with pytest.raises(dask_ddp.WorkerLostError) as lost:
-                job.result(timeout=60)
+                job.futures[1].result(timeout=60)
             assert lost.value.finished
+            assert job.result(timeout=60) == [(0, b"x" * 10), (1, b"x" * 10)]
+            with Client(cluster.address) as other:
+                again = dask_ddp.attach(other, job.job_id)
+                assert again.result(timeout=60) == [(0, b"x" * 10), (1, b"x" * 10)]
+
+            big = 2 * 1024 * 1024  # over the default limit
+            job = dask_ddp.launch(client, _rank_and_bytes, args=(big,))
+            assert [r for r, _ in job.result(timeout=120)] == [0, 1]
+            _kill_and_wait_for_return(client, job.workers[1])
+            with pytest.raises(dask_ddp.WorkerLostError) as lost:
+                job.result(timeout=60)
+            assert lost.value.finished and lost.value.rank == 1
+            assert "ddp.result-limit (1,048,576 bytes" in str(lost.value)
             assert dask_ddp.launch(client, _rank_number).result(timeout=120) == [0, 1]
     finally:
         cluster.close()

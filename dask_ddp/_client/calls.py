@@ -110,6 +110,13 @@ def list_jobs(client: Client) -> list[dict[str, Any]]:
     return _ask(client, "list")["rows"]
 
 
+def held_values(client: Client, job_id: str) -> list[bytes | None]:
+    """The ranks' return values the job's supervisor holds (pickled; None where a value was
+    larger than ``ddp.result-limit``), rank order."""
+    install(client)
+    return list(_ask(client, "values", job=job_id)["values"])
+
+
 def forget_job(client: Client, job_id: str) -> None:
     """Let the cluster forget a finished job."""
     install(client)

@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
+import cloudpickle
 from distributed import Client, Future
 
 from .. import errors
@@ -198,7 +199,24 @@ class Job:
         error = self.exception(timeout)
         if error is not None:
             raise error
-        return self.client.gather(self.futures)
+        try:
+            return self.client.gather(self.futures)
+        except Exception as lost:  # a worker left with a value: the supervisor holds it
+            return self._held_values(lost)
+
+    def _held_values(self, lost: Exception) -> list[Any]:
+        """The values of a succeeded job whose gather failed (a worker left with one): those
+        the job's supervisor holds, the rest gathered; ``lost`` if a value is in neither."""
+        try:
+            held = calls.held_values(self.client, self.job_id)
+        except Exception as exc:  # forgotten, or a scheduler without the handler
+            raise lost from exc
+        if len(held) != len(self.futures):
+            raise lost
+        return [
+            cloudpickle.loads(value) if value is not None else self.client.gather(future)
+            for future, value in zip(self.futures, held, strict=True)
+        ]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The job's error once it is done, or None if it succeeded."""

@@ -854,6 +854,9 @@ def _rank_main(fds: list[int]) -> None:
         )
         outcome = body.outcome(None, error)
         sent_value = None
+    # A small value also rides on the final marker: the supervisor holds it, for a
+    # result() after this worker left.
+    outcome = outcome.holding(sent_value, spec.events.result_limit)
     sys.stdout.flush()
     sys.stderr.flush()
     if link.channel is not None:  # its last records and the final marker, then the end

@@ -512,7 +512,7 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         # finishes, so the supervisor and the clients have every record when they see the
         # result. Never raises: on success its error is raised below, after a failure the
         # rank's own error wins.
-        undelivered = channel.close(outcome or outcome_of(value, error))
+        undelivered = channel.close(outcome or _lane_outcome(value, error, spec))
         leftover, run.leftover = run.leftover, None
         slot.release(run, leftover)
         host.rank_ended(spec)
@@ -521,6 +521,19 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
     if undelivered is not None:
         raise undelivered
     return value
+
+
+def _lane_outcome(value: Any, error: BaseException | None, spec: RankSpec) -> RankOutcome:
+    """How a lane's rank ended (a rank's own process says it for its rank), with its small
+    return value, as a rank's process sends it."""
+    outcome = outcome_of(value, error)
+    if outcome.verdict is not Verdict.DONE:
+        return outcome
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception:  # its task's own pickling says so
+        return outcome
+    return outcome.holding(data, spec.events.result_limit)
 
 
 def _as_bytes(data: Any) -> Any:

@@ -189,6 +189,7 @@ class Launcher:
             job_topic(spec.job_id),
             flush_interval=flush,
             max_event_bytes=settings.max_event_bytes,
+            result_limit=settings.result_limit,
         )
         specs = [
             RankSpec(

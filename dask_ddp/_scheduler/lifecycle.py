@@ -178,6 +178,7 @@ class Policy:
     scale_timeout: float = 300.0
     orphan_timeout: float = 600.0
     stall_action: StallAction = StallAction.WARN
+    result_limit: int = 1_048_576  # ddp.result-limit: the values the supervisor holds
 
     @property
     def elastic(self) -> bool:
@@ -806,7 +807,9 @@ class _Step:
             done = rank.outcome is not None and rank.outcome.verdict is Verdict.DONE
             if rank.task is TaskEnd.MEMORY or (rank.task is None and done):
                 # Its value was there: its future says it went with the worker.
-                lost = errors.WorkerLostError(r, rank.worker, rank.key, finished=True)
+                lost = errors.WorkerLostError(
+                    r, rank.worker, rank.key, finished=True, limit=self.policy.result_limit
+                )
                 self.actions.append(FailTask(life.attempt, r, rank.worker, lost))
             elif rank.task is None and ending is not None:  # stopped already, for this
                 run = run_id_of(self.policy.job, life.attempt)

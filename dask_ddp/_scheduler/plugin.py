@@ -112,6 +112,7 @@ class DaskDDPPlugin(SchedulerPlugin):
             ("attach", self._handle_attach),
             ("list", self._handle_list),
             ("forget", self._handle_forget),
+            ("values", self._handle_values),
             ("ready", self._handle_ready),
         ):
             dask_internals.add_scheduler_handler(scheduler, HANDLERS[what], handler)
@@ -202,6 +203,13 @@ class DaskDDPPlugin(SchedulerPlugin):
     def _handle_attach(self, job: str, client: str | None = None) -> dict[str, Any]:
         try:
             return {"state": self.attach(job, client)}
+        except DaskDDPError as exc:
+            return {"refused": to_wire(exc)}
+
+    def _handle_values(self, job: str) -> dict[str, Any]:
+        """The return values ``job``'s supervisor holds (see ``ddp.result-limit``)."""
+        try:
+            return {"values": self.find(job).held_values()}
         except DaskDDPError as exc:
             return {"refused": to_wire(exc)}
 

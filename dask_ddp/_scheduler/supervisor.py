@@ -119,6 +119,7 @@ class Supervisor:
             scale_timeout=settings.scale_timeout,
             orphan_timeout=settings.orphan_timeout,
             stall_action=lc.StallAction(settings.stall_action),
+            result_limit=settings.result_limit,
         )
         self.life = lc.Life.new(self.policy)
         self.history: list[Transition] = []  # appended to, never rewritten
@@ -789,6 +790,12 @@ class Supervisor:
         if life.state is JobState.STOPPING and life.next_state is not None:
             return life.next_state.value
         return None
+
+    def held_values(self) -> list[bytes | None]:
+        """Each rank's return value as its final marker carried it (pickled; None: larger
+        than ``ddp.result-limit``, or the rank did not succeed), rank order: what
+        ``Job.result()`` reads when a worker of a succeeded job left with its value."""
+        return [r.outcome.value if r.outcome else None for r in self.life.ranks]
 
     def summary(self) -> dict[str, Any]:
         """What the ``/ddp/`` page draws: the live view's state, capped (each rank's values

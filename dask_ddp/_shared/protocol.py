@@ -173,6 +173,10 @@ class RankOutcome:
         had recorded an error (the peer's process died).
     step : int or None
         ``grow``: the step of the checkpoint the ranks stopped at.
+    value : bytes or None
+        ``done``: the rank's return value, pickled, when it is no larger than
+        ``ddp.result-limit``: the job's supervisor holds it, so that ``Job.result()``
+        answers after the rank's worker left (:meth:`holding`).
 
     Examples
     --------
@@ -190,6 +194,21 @@ class RankOutcome:
     failed_rank: int | None = None
     peer_lost: bool = False
     step: int | None = None
+    value: bytes | None = None
+
+    def holding(self, value: bytes | None, limit: int) -> RankOutcome:
+        """This outcome with the rank's pickled return value, if it succeeded and
+        ``value`` is at most ``limit`` bytes (larger values stay on the rank's worker).
+
+        >>> o = RankOutcome(Verdict.DONE)
+        >>> o.holding(b"12345", limit=8).value, o.holding(b"123456789", limit=8).value
+        (b'12345', None)
+        >>> RankOutcome(Verdict.FAIL).holding(b"1", limit=8).value is None
+        True
+        """
+        if self.verdict is not Verdict.DONE or value is None or len(value) > limit:
+            return self
+        return dataclasses.replace(self, value=value)
 
     def end(self) -> Ended:
         """How the rank ended, as its row in the views says it."""
@@ -444,6 +463,7 @@ HANDLERS = {
     "attach": "dask_ddp_attach",
     "list": "dask_ddp_list",
     "forget": "dask_ddp_forget",
+    "values": "dask_ddp_values",
     "ready": "dask_ddp_ready",
 }
 
@@ -486,6 +506,9 @@ class EventPlan:
     # little less often than a busy one would send more events than it.
     flush_interval: float = 0.05
     max_event_bytes: int = 64_000  # ddp.max-event-bytes (64kB)
+    # ddp.result-limit (1 MiB): a return value up to this size rides on the rank's final
+    # marker, and the job's supervisor holds it
+    result_limit: int = 1_048_576
 
 
 @dataclasses.dataclass(frozen=True)
