@@ -711,7 +711,7 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
     log = logging.getLogger("dask_ddp")
     log.info("no --scheduler given: starting a LocalCluster of %d worker processes", n)
     importing = _import_dispatch()
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     from .._shared.protocol import call
 
@@ -724,16 +724,7 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
     scratch = tempfile.mkdtemp(prefix="dask-ddp-")
     code, cluster = 1, None
     try:
-        cluster = LocalCluster(
-            n_workers=n,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            scheduler_kwargs={"dashboard": opts.dashboard},
-            local_directory=scratch,
-            preload=["dask_ddp._shared.preload", "dask_ddp._rank.host"],
-            silence_logs=False if opts.verbose else logging.WARNING,
-        )
+        cluster = _start_local_cluster(n, scratch, dashboard=opts.dashboard, verbose=opts.verbose)
         if opts.dashboard:
             _say(f"Dask dashboard: {cluster.dashboard_link}")
         client = Client(cluster)
@@ -748,6 +739,41 @@ def _run_on_local_cluster(opts: argparse.Namespace, signals: _Signals) -> int:
         signals.ignore_from_now()
         _exit_now(code, scratch, cluster)
     return code  # not reached: _exit_now does not return
+
+
+def _start_local_cluster(n: int, scratch: str, *, dashboard: bool, verbose: bool) -> Any:
+    """The command's own LocalCluster: ``n`` worker processes of one thread each, their
+    files in ``scratch``, the dashboard's page only with ``dashboard``.
+
+    It never loses a worker to a stale lost-worker timer: SpecCluster arms
+    ``distributed.deploy.lost-worker-timeout`` (15 s) at each removal of a worker and never
+    cancels it when the worker's name comes back, so an earlier kill's timer closes the
+    nanny of a worker that is restarting after a later kill, for good. The timer is there
+    to close the job of a worker that went; here each nanny lives in this process and
+    starts its worker again itself, and the command never scales its cluster: nothing is
+    left for the timer to do, and it is set out of reach, for the rest of this process
+    (which ends with its cluster; the key is read at each removal, not at the cluster's
+    start). A public setting, where a SpecCluster subclass that cancels the timer or a
+    nanny opened again would reach into distributed's private ``_update_worker_status``
+    and ``workers``.
+    """
+    import dask
+    from distributed import LocalCluster
+
+    dask.config.set({"distributed.deploy.lost-worker-timeout": _NEVER})
+    return LocalCluster(
+        n_workers=n,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=":0",
+        scheduler_kwargs={"dashboard": dashboard},
+        local_directory=scratch,
+        preload=["dask_ddp._shared.preload", "dask_ddp._rank.host"],
+        silence_logs=False if verbose else logging.WARNING,
+    )
+
+
+_NEVER = "3650 days"  # a lost-worker timeout that never fires while the command runs
 
 
 def _result_saying_stalls(job: Any) -> list[Any]:
