@@ -21,16 +21,32 @@ import dataclasses
 import itertools
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import dask_ddp
 from dask_ddp._scheduler import lifecycle as lc
-from dask_ddp._shared.protocol import RankOutcome, Verdict
+from dask_ddp._shared.protocol import Fault, RankOutcome, Verdict
 from dask_ddp._shared.values import JobState
 
 SEQUENCES = int(os.environ.get("DASK_DDP_MODEL_SEQUENCES", "5000"))
+
+
+#: docs/jobs.md's table of what restarts a job, by ``lifecycle.Cause`` (checked against
+#: the docs below); a stall restarts only with ddp.stall-action: restart.
+RESTARTS_AS_DOCUMENTED = {
+    "code": False,
+    "asked": True,
+    "infrastructure": True,
+    "credentials": False,
+    "worker lost": True,
+    "peer died": True,
+    "untold": False,
+    "task": False,
+    "stall": False,
+}
 
 
 class InvariantBroken(AssertionError):
@@ -298,11 +314,23 @@ class World:
         if r < 0.5:
             return RankOutcome(Verdict.DONE)
         if r < 0.58:
-            return RankOutcome(Verdict.FAIL, "builtins.ValueError", "ValueError: x")
+            return RankOutcome(
+                Verdict.FAIL, "builtins.ValueError", "ValueError: x", fault=Fault.CODE
+            )
+        if r < 0.66:
+            error = "dask_ddp.errors.RetryableError"
+            return RankOutcome(Verdict.FAIL, error, "RetryableError", fault=Fault.ASKED)
+        if r < 0.72:
+            error = "dask_ddp.errors.RendezvousTimeoutError"
+            return RankOutcome(Verdict.FAIL, error, "timeout", fault=Fault.INFRASTRUCTURE)
         if r < 0.78:
-            return RankOutcome(Verdict.RETRY, "dask_ddp.errors.RetryableError", "RetryableError")
-        if r < 0.9:
-            return RankOutcome(Verdict.STOPPED, failed_rank=rng.randrange(3), summary="peer")
+            error = "dask_ddp.errors.StorageAccessError"
+            return RankOutcome(Verdict.FAIL, error, "denied", fault=Fault.CREDENTIALS)
+        if r < 0.84:
+            first = rng.choice([r for r in range(3) if r != p.rank])  # never itself
+            return RankOutcome(Verdict.STOPPED, failed_rank=first, summary="peer")
+        if r < 0.9:  # the rank that failed never said so
+            return RankOutcome(Verdict.STOPPED, summary="stopped")
         return RankOutcome(Verdict.STOPPED, peer_lost=True, summary="connection closed")
 
     def end_proc(self, p: Proc, *, marker: bool = True) -> None:
@@ -523,6 +551,17 @@ class World:
             raise InvariantBroken("running, and launch() was never told")
 
     def check_error(self, a: lc.Publish) -> None:
+        if a.state is JobState.RESTARTING:
+            cause = a.ending.cause if a.ending is not None else None
+            stall_restarts = self.policy.stall_action is lc.StallAction.RESTART
+            if cause is None or not (
+                RESTARTS_AS_DOCUMENTED[cause.value] or (cause is lc.Cause.STALL and stall_restarts)
+            ):
+                raise InvariantBroken(f"{a}: restarts, and docs/jobs.md says no for {cause}")
+        if isinstance(a.error, dask_ddp.RankStoppedError):
+            text = str(a.error)
+            if a.error.failed_rank == a.error.rank or "job None" in text:
+                raise InvariantBroken(f"{a}: the stopped rank's error reads {text!r}")
         classes = {
             lc.EndKind.RANK: dask_ddp.RankFailedError,
             lc.EndKind.TASK: dask_ddp.RankFailedError,
@@ -692,7 +731,8 @@ def test_too_many_resizes_fail_the_job() -> None:
         life, actions = lc.step(life, lc.RankEnded(attempt, 0, grow), p, 10.0 * attempt)
         life, actions = lc.step(life, lc.TaskEnded(attempt, 0, False), p, 10.0 * attempt)
     assert life.phase is lc.Phase.ENDED and life.state is JobState.FAILED
-    assert life.ending.kind is lc.EndKind.RESIZES and life.ending.detail == (1, 1)
+    assert life.ending.kind is lc.EndKind.RESIZES
+    assert (life.ending.resizes, life.ending.limit) == (1, 1)
     assert lc.Release(frozenset({"a"})) in actions
 
 
@@ -743,3 +783,44 @@ def test_cancel_between_submit_and_placed_stops_the_attempt_once_placed() -> Non
     life, actions = lc.step(life, lc.WorkersRestarted(frozenset({"b"})), p, 6.0)
     assert life.phase is lc.Phase.ENDED and life.state is JobState.CANCELLED
     assert actions[0] == lc.Release(frozenset({"a", "b"}))
+
+
+def test_docs_print_the_restart_table_step_decides_from() -> None:
+    # docs/jobs.md's table and the model's expectation are the product's table, row for row.
+    text = (Path(__file__).parent.parent / "docs" / "jobs.md").read_text()
+    table = text.split("### What restarts a job", 1)[1].split("\n\n", 3)[2]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    said = [row.rstrip(" |").rsplit("| ", 1)[1] for row in rows[1:]]
+    assert {c.value: r for c, r in lc.RESTARTS.items()} == RESTARTS_AS_DOCUMENTED
+    order = list(lc.Cause)
+    assert len(said) == len(order)
+    for cause, word in zip(order, said, strict=True):
+        expected = (
+            "with `restart` only"
+            if cause is lc.Cause.STALL
+            else "yes"
+            if lc.RESTARTS[cause]
+            else "no"
+        )
+        assert word == expected, (cause, word)
+
+
+def test_missing_credentials_never_restart_a_job() -> None:
+    p = lc.Policy(min_workers=1, max_workers=1, max_restarts=3)
+    life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
+    life, _ = lc.step(life, lc.Offered(("a",)), p, 0.0)
+    life, _ = lc.step(life, lc.Placed(0, ("a",)), p, 0.0)
+    denied = RankOutcome(
+        Verdict.FAIL, "dask_ddp.errors.StorageAccessError", "denied", fault=Fault.CREDENTIALS
+    )
+    life, _ = lc.step(life, lc.RankEnded(0, 0, denied), p, 1.0)
+    life, _ = lc.step(life, lc.TaskEnded(0, 0, True), p, 1.0)
+    assert life.state is JobState.FAILED and life.restarts_left == 3
+    assert life.ending.cause is lc.Cause.CREDENTIALS
+    unreachable = dataclasses.replace(denied, fault=Fault.INFRASTRUCTURE)
+    life, _ = lc.step(lc.Life.new(p), lc.Start(), p, 0.0)
+    life, _ = lc.step(life, lc.Offered(("a",)), p, 0.0)
+    life, _ = lc.step(life, lc.Placed(0, ("a",)), p, 0.0)
+    life, _ = lc.step(life, lc.RankEnded(0, 0, unreachable), p, 1.0)
+    life, _ = lc.step(life, lc.TaskEnded(0, 0, True), p, 1.0)
+    assert life.restarts_left == 2

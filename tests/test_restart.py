@@ -188,3 +188,24 @@ def test_other_errors_are_not_retried(client: Client) -> None:
 def _fail_always() -> None:
     if dask_ddp.get_context().rank == 0:
         raise ValueError("not retryable")
+
+
+def _storage_error(problem: str) -> int:
+    ctx = dask_ddp.get_context()
+    if ctx.attempt == 0 and ctx.rank == 0:
+        from dask_ddp.errors import StorageAccessError
+
+        raise StorageAccessError("s3://bucket/shards", "http://s3.local", problem, "refused")
+    return ctx.attempt
+
+
+def test_missing_credentials_never_restart_while_unreachable_storage_does(client: Client) -> None:
+    # Both are StorageAccessError (an InfrastructureError); a restart would meet the same
+    # refusal of the credentials, so only the unreachable one earns it (docs/jobs.md).
+    job = dask_ddp.launch(client, _storage_error, args=("credentials",), max_restarts=3)
+    with pytest.raises(dask_ddp.RankFailedError, match="credentials"):
+        job.result(timeout=120)
+    assert job.attempts == 1
+    job = dask_ddp.launch(client, _storage_error, args=("unreachable",), max_restarts=3)
+    assert job.result(timeout=120) == [1, 1]
+    assert job.attempts == 2

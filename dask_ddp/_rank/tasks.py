@@ -34,12 +34,13 @@ from typing import Any
 import cloudpickle
 
 from .._shared import tracebacks
-from .._shared.protocol import RankOutcome, RankSpec, Verdict
+from .._shared.protocol import Fault, RankOutcome, RankSpec, Verdict
 from ..errors import (
     InfrastructureError,
     RankStoppedError,
     RendezvousTimeoutError,
     RetryableError,
+    StorageAccessError,
     WorkerBusyError,
 )
 from . import channel as events
@@ -77,9 +78,8 @@ def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOut
     """How a rank ended, decided here, on the rank, from the exception object itself: what
     its final marker tells the supervisor (which never reads an exception's text).
 
-    An error earns a restart (``retry``) when it is a :class:`~dask_ddp.RetryableError`
-    (the user asks for one) or an :class:`~dask_ddp.InfrastructureError` (what runs the
-    job failed, not the job's code: a sample fetch, the store, a rendezvous).
+    A failure tells what failed (:func:`fault_of`); whether that restarts the job is the
+    supervisor's decision (``lifecycle.RESTARTS``), not the rank's.
 
     >>> outcome_of(Resized(40)).verdict.value
     'grow'
@@ -87,10 +87,10 @@ def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOut
     >>> o.verdict.value, o.failed_rank
     ('stopped', 1)
     >>> o = outcome_of(error=ValueError("bad batch"))
-    >>> o.verdict.value, o.error_class, o.summary
-    ('fail', 'builtins.ValueError', 'ValueError: bad batch')
-    >>> outcome_of(error=RendezvousTimeoutError(1, "tcp://a:1", "k", 60.0, "x")).verdict.value
-    'retry'
+    >>> o.verdict.value, o.error_class, o.summary, o.fault.value
+    ('fail', 'builtins.ValueError', 'ValueError: bad batch', 'code')
+    >>> outcome_of(error=RendezvousTimeoutError(1, "tcp://a:1", "k", 60.0, "x")).fault.value
+    'infrastructure'
     """
     if error is None:
         if isinstance(value, Resized):
@@ -105,13 +105,33 @@ def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOut
             failed_rank=None if peer_lost else error.failed_rank,
             peer_lost=peer_lost,
         )
-    retry = isinstance(error, (RetryableError, InfrastructureError))
     return RankOutcome(
-        Verdict.RETRY if retry else Verdict.FAIL,
+        Verdict.FAIL,
         _class_path(error),
         f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS],
         tracebacks.plain_text(error),
+        fault=fault_of(error),
     )
+
+
+def fault_of(error: BaseException) -> Fault:
+    """What failed, from the exception's class and typed fields (never its text).
+
+    >>> fault_of(ValueError("x")).value, fault_of(RetryableError("x")).value
+    ('code', 'asked')
+    >>> from dask_ddp.errors import StorageAccessError
+    >>> fault_of(StorageAccessError("s3://b/k", "http://s3", "credentials", "denied")).value
+    'credentials'
+    >>> fault_of(StorageAccessError("s3://b/k", "http://s3", "unreachable", "timeout")).value
+    'infrastructure'
+    """
+    if isinstance(error, StorageAccessError) and error.problem == "credentials":
+        return Fault.CREDENTIALS
+    if isinstance(error, RetryableError):
+        return Fault.ASKED
+    if isinstance(error, InfrastructureError):
+        return Fault.INFRASTRUCTURE
+    return Fault.CODE
 
 
 def _class_path(error: BaseException) -> str:

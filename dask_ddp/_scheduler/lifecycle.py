@@ -50,11 +50,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import errors
-from .._shared.protocol import Ended, RankEnd, RankOutcome, Verdict, run_id_of
+from .._shared.protocol import Ended, Fault, RankEnd, RankOutcome, Verdict, run_id_of
 from .._shared.values import JobState
 
 __all__ = [
+    "RESTARTS",
     "Action",
+    "Cause",
     "Fact",
     "Life",
     "Phase",
@@ -135,19 +137,27 @@ class StallAction(str, enum.Enum):
 class Ending:
     """How an attempt (or the job) ends, decided once, by the first conclusive fact.
 
-    ``why`` is for people (the transition's reason); decisions read ``kind``, ``retry``
-    and ``lost``.
+    ``why`` is for people (the transition's reason); decisions read ``kind``, ``cause``
+    (through :data:`RESTARTS`, into ``retry``) and ``lost``, and the job's error is built
+    from the named fields of its kind.
     """
 
     kind: EndKind
     why: str
-    rank: int | None = None  # the rank whose end decided it
-    worker: str | None = None
+    rank: int | None = None  # the rank whose end decided it (STOPPED: the cause, if known)
+    worker: str | None = None  # that rank's worker (STOPPED: the stopped rank's)
     outcome: RankOutcome | None = None
     error: Any = None  # PLACEMENT: the exception placing raised
-    retry: bool = False  # earns a restart from the last checkpoint
+    retry: bool = False  # earns a restart from the last checkpoint (RESTARTS[cause])
     lost: bool = False  # a worker or a peer's process went away: an elastic job shrinks
-    detail: tuple[Any, ...] = ()  # SCALE: (need, have, waited); RESIZES: (count, limit)
+    cause: Cause | None = None  # what failed, as RESTARTS reads it
+    stopped: int | None = None  # STOPPED: the rank that stopped (its cause is ``rank``)
+    need: int = 0  # SCALE: the workers the job needs
+    have: int = 0  # SCALE: those the cluster had
+    waited: float = 0.0  # SCALE: for how long
+    resizes: int = 0  # RESIZES: those within the hour
+    limit: int | None = None  # RESIZES: ddp.max-resizes
+    causes: tuple[int, ...] = ()  # STALLED: the ranks outside a collective
 
     @property
     def headline(self) -> str:
@@ -157,8 +167,47 @@ class Ending:
         if self.kind is EndKind.LOST:
             return f"rank {self.rank} was lost"
         if self.kind is EndKind.STOPPED:
-            return "a peer's process died" if self.lost else f"rank {self.rank} stopped"
+            return "a peer's process died" if self.lost else f"rank {self.stopped} stopped"
         return self.kind.value
+
+
+class Cause(str, enum.Enum):
+    """What ended a failed attempt, as far as restarting goes: a failed rank's
+    :class:`~dask_ddp._shared.protocol.Fault`, or what the supervisor saw (a row of
+    :data:`RESTARTS`)."""
+
+    CODE = "code"  # the job's own code raised
+    ASKED = "asked"  # RetryableError
+    INFRASTRUCTURE = (
+        "infrastructure"  # an InfrastructureError (store, rendezvous, fetch, storage unreachable)
+    )
+    CREDENTIALS = "credentials"  # storage refused the credentials
+    WORKER_LOST = "worker lost"  # a rank's worker left the cluster while it ran
+    PEER_DIED = "peer died"  # ranks stopped because a peer's process died, no error of its own
+    UNTOLD = "untold"  # ranks stopped for a rank whose own error never came
+    TASK = "task"  # a rank's task failed without a word from the rank
+    STALL = "stall"  # no progress for ddp.stall-timeout, with ddp.stall-action: restart/fail
+
+    @classmethod
+    def of(cls, fault: Fault | None) -> Cause:
+        """The row of a failed rank's fault (an outcome from before faults: the code)."""
+        return cls(fault.value) if fault is not None else cls.CODE
+
+
+#: Whether an attempt's end restarts the job (from its last checkpoint, while
+#: ``max_restarts`` last): the one table that decides it, printed in docs/jobs.md. A stall
+#: restarts with ``ddp.stall-action: restart`` only (:meth:`_Step.restarts`).
+RESTARTS: dict[Cause, bool] = {
+    Cause.CODE: False,
+    Cause.ASKED: True,
+    Cause.INFRASTRUCTURE: True,
+    Cause.CREDENTIALS: False,  # a restart would meet the same refusal
+    Cause.WORKER_LOST: True,
+    Cause.PEER_DIED: True,
+    Cause.UNTOLD: False,
+    Cause.TASK: False,
+    Cause.STALL: False,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -903,8 +952,17 @@ class _Step:
             return
         rank = fact.causes[0] if fact.causes else None
         worker = life.ranks[rank].worker if rank is not None else None
-        retry = action is StallAction.RESTART
-        self.end(Ending(EndKind.STALLED, why, rank, worker, retry=retry, detail=fact.causes))
+        self.end(
+            Ending(
+                EndKind.STALLED,
+                why,
+                rank,
+                worker,
+                retry=self.restarts(Cause.STALL),
+                cause=Cause.STALL,
+                causes=tuple(fact.causes),
+            )
+        )
 
     def on_Progressed(self, fact: Progressed) -> None:
         life = self.life
@@ -935,7 +993,9 @@ class _Step:
                 f"{waited:.0f} s (ddp.scale-timeout)"
             )
             self.actions.append(Withdraw())
-            ending = Ending(EndKind.SCALE, why, detail=(need, have, self.policy.scale_timeout))
+            ending = Ending(
+                EndKind.SCALE, why, need=need, have=have, waited=self.policy.scale_timeout
+            )
             self.finish(JobState.FAILED, ending)
         elif fact.timer is Timer.STOP and life.phase is Phase.STOPPING:
             stuck = frozenset(r.worker for r in life.ranks if not r.clean) - life.restarting
@@ -1021,19 +1081,45 @@ class _Step:
             return
         for i, rank in enumerate(ranks):
             if rank.outcome is not None and rank.outcome.verdict.failed:
-                retry = rank.outcome.verdict is Verdict.RETRY
+                cause = Cause.of(rank.outcome.fault)
                 why = f"rank {i} failed on {rank.worker}: {rank.outcome.summary}"
-                self.end(Ending(EndKind.RANK, why, i, rank.worker, rank.outcome, retry=retry))
+                self.end(
+                    Ending(
+                        EndKind.RANK,
+                        why,
+                        i,
+                        rank.worker,
+                        rank.outcome,
+                        retry=self.restarts(cause),
+                        cause=cause,
+                    )
+                )
                 return
         for i, rank in enumerate(ranks):
             if rank.lost and rank.task is not TaskEnd.MEMORY and rank.outcome is None:
                 why = f"rank {i} was lost: its worker {rank.worker} left the cluster while it ran"
-                self.end(Ending(EndKind.LOST, why, i, rank.worker, retry=True, lost=True))
+                cause = Cause.WORKER_LOST
+                self.end(
+                    Ending(
+                        EndKind.LOST,
+                        why,
+                        i,
+                        rank.worker,
+                        retry=self.restarts(cause),
+                        lost=True,
+                        cause=cause,
+                    )
+                )
                 return
         for i, rank in enumerate(ranks):
             if rank.task is TaskEnd.ERRED and rank.outcome is None:
                 why = f"rank {i}'s task failed on {rank.worker}: {rank.task_summary}"
-                self.end(Ending(EndKind.TASK, why, i, rank.worker))
+                cause = Cause.TASK
+                self.end(
+                    Ending(
+                        EndKind.TASK, why, i, rank.worker, retry=self.restarts(cause), cause=cause
+                    )
+                )
                 return
         ended = all(r.task is not None or r.lost for r in ranks)
         stopped = [
@@ -1045,19 +1131,21 @@ class _Step:
             if grace_over or ended:
                 i, rank = stopped[0]
                 outcome = rank.outcome
-                cause = outcome.failed_rank if outcome.failed_rank is not None else i
                 why = f"rank {i} stopped: {outcome.summary}"
                 if outcome.peer_lost:
                     why = f"rank {i} stopped: a peer's process died ({outcome.summary})"
+                cause = Cause.PEER_DIED if outcome.peer_lost else Cause.UNTOLD
                 self.end(
                     Ending(
                         EndKind.STOPPED,
                         why,
-                        cause,
+                        outcome.failed_rank,
                         rank.worker,
                         outcome,
-                        retry=outcome.peer_lost,
+                        retry=self.restarts(cause),
                         lost=outcome.peer_lost,
+                        cause=cause,
+                        stopped=i,
                     )
                 )
             elif life.armed(Timer.GRACE) is None:
@@ -1095,6 +1183,13 @@ class _Step:
             self.arm(Timer.STOP, self.policy.failure_grace + STOP_MARGIN)
         self.stopped()
 
+    def restarts(self, cause: Cause) -> bool:
+        """Whether an end of this cause earns a restart: :data:`RESTARTS`, and a stall's
+        by ``ddp.stall-action``."""
+        if cause is Cause.STALL:
+            return self.policy.stall_action is StallAction.RESTART
+        return RESTARTS[cause]
+
     def decide(self, ending: Ending) -> tuple[JobState, Ending]:
         """Where the job goes once this attempt has stopped: the one place that says
         restart, resize, fail or finish."""
@@ -1122,7 +1217,7 @@ class _Step:
                 f"{limit}); the last: {self.reason(JobState.RESIZING, ending)}"
             )
             return JobState.FAILED, Ending(
-                EndKind.RESIZES, why, ending.rank, ending.worker, detail=(len(recent), limit)
+                EndKind.RESIZES, why, ending.rank, ending.worker, resizes=len(recent), limit=limit
             )
         self.set(resizes=(*recent, self.now))
         return JobState.RESIZING, ending
@@ -1257,17 +1352,16 @@ class _Step:
             return errors.WorkerLostError(rank, worker, key)
         if kind is EndKind.STOPPED and outcome is not None:
             first = -1 if outcome.peer_lost else outcome.failed_rank
-            return errors.RankStoppedError(rank, outcome.summary, failed_rank=first)
+            stopped = ending.stopped if ending.stopped is not None else rank
+            return errors.RankStoppedError(stopped, outcome.summary, job=job, failed_rank=first)
         if kind is EndKind.PLACEMENT and isinstance(ending.error, BaseException):
             return ending.error
         if kind is EndKind.SCALE:
-            need, have, waited = ending.detail
-            return errors.ScaleTimeoutError(job, need, have, waited)
+            return errors.ScaleTimeoutError(job, ending.need, ending.have, ending.waited)
         if kind is EndKind.RESIZES:
-            count, limit = ending.detail
-            return errors.TooManyResizesError(job, count, limit, ending.why)
+            return errors.TooManyResizesError(job, ending.resizes, ending.limit, ending.why)
         if kind is EndKind.STALLED:
-            return errors.JobStalledError(job, ending.why, ending.detail)
+            return errors.JobStalledError(job, ending.why, ending.causes)
         return errors.DaskDDPError(ending.why)
 
 

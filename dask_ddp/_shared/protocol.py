@@ -51,6 +51,7 @@ __all__ = [
     "Ended",
     "Entry",
     "EventPlan",
+    "Fault",
     "RankEnd",
     "RankOutcome",
     "RankSpec",
@@ -90,25 +91,42 @@ class Verdict(str, enum.Enum):
     - ``grow``: an elastic job's ranks stopped at a checkpoint to grow onto more workers.
     - ``stopped``: stopped from outside (the job was cancelled or is being stopped), or
       because another rank failed first (:attr:`RankOutcome.failed_rank`).
-    - ``retry``: failed with an error that earns a restart from the last checkpoint:
-      :class:`~dask_ddp.RetryableError`, or an :class:`~dask_ddp.InfrastructureError`
-      (what runs the job failed, not the job's code).
-    - ``fail``: failed with any other error.
+    - ``fail``: failed with its own error; :attr:`RankOutcome.fault` says what failed,
+      and the job's supervisor alone decides from it whether the job restarts
+      (``lifecycle.RESTARTS``).
 
-    >>> Verdict("retry").failed, Verdict.STOPPED.failed
+    >>> Verdict("fail").failed, Verdict.STOPPED.failed
     (True, False)
     """
 
     DONE = "done"
     GROW = "grow"
     STOPPED = "stopped"
-    RETRY = "retry"
     FAIL = "fail"
 
     @property
     def failed(self) -> bool:
         """Whether the rank itself failed (its own error)."""
-        return self in (Verdict.RETRY, Verdict.FAIL)
+        return self is Verdict.FAIL
+
+
+class Fault(str, enum.Enum):
+    """What failed, as a failed rank tells it from its exception's class (a typed fact:
+    whether that restarts the job is the supervisor's decision, never the rank's).
+
+    - ``code``: the job's own code raised.
+    - ``asked``: a :class:`~dask_ddp.RetryableError`: the code asks for a restart.
+    - ``infrastructure``: an :class:`~dask_ddp.InfrastructureError`, what runs the job
+      failed (the store, a rendezvous, a sample fetch, storage that did not answer).
+    - ``credentials``: storage refused the credentials
+      (:class:`~dask_ddp.errors.StorageAccessError` with ``problem="credentials"``): a
+      restart would meet the same refusal.
+    """
+
+    CODE = "code"
+    ASKED = "asked"
+    INFRASTRUCTURE = "infrastructure"
+    CREDENTIALS = "credentials"
 
 
 class RankEnd(str, enum.Enum):
@@ -173,6 +191,8 @@ class RankOutcome:
         had recorded an error (the peer's process died).
     step : int or None
         ``grow``: the step of the checkpoint the ranks stopped at.
+    fault : Fault or None
+        ``fail``: what failed (the job's code, the infrastructure, credentials, ...).
     value : bytes or None
         ``done``: the rank's return value, pickled, when it is no larger than
         ``ddp.result-limit``: the job's supervisor holds it, so that ``Job.result()``
@@ -180,7 +200,8 @@ class RankOutcome:
 
     Examples
     --------
-    >>> o = RankOutcome(Verdict.FAIL, "builtins.ValueError", "ValueError: bad batch")
+    >>> o = RankOutcome(Verdict.FAIL, "builtins.ValueError", "ValueError: bad batch",
+    ...                 fault=Fault.CODE)
     >>> RankOutcome.from_wire(o.to_wire()) == o
     True
     >>> RankOutcome(Verdict.STOPPED, failed_rank=1, summary="ValueError: x").end().describe()
@@ -194,6 +215,7 @@ class RankOutcome:
     failed_rank: int | None = None
     peer_lost: bool = False
     step: int | None = None
+    fault: Fault | None = None
     value: bytes | None = None
 
     def holding(self, value: bytes | None, limit: int) -> RankOutcome:
@@ -224,7 +246,13 @@ class RankOutcome:
 
     def to_wire(self) -> dict[str, Any]:
         """Plain values with the record's version."""
-        return {"v": VERSION, **dataclasses.asdict(self), "verdict": self.verdict.value}
+        fault = None if self.fault is None else self.fault.value
+        return {
+            "v": VERSION,
+            **dataclasses.asdict(self),
+            "verdict": self.verdict.value,
+            "fault": fault,
+        }
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> RankOutcome:
@@ -238,7 +266,14 @@ class RankOutcome:
         _check_version("rank outcome", data)
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in fields}
-        return cls(**{**values, "verdict": Verdict(data["verdict"])})
+        fault = data.get("fault")
+        return cls(
+            **{
+                **values,
+                "verdict": Verdict(data["verdict"]),
+                "fault": None if fault is None else Fault(fault),
+            }
+        )
 
 
 DONE = RankOutcome(Verdict.DONE)
