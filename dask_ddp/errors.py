@@ -50,6 +50,7 @@ __all__ = [
     "ScriptSettingsError",
     "ShardListError",
     "StorageAccessError",
+    "SupervisorError",
     "TooManyResizesError",
     "UnsafeCheckpointError",
     "UnsafeResultPathError",
@@ -314,6 +315,29 @@ class JobStalledError(DaskDDPError, TimeoutError):
             f"job {self.job} stalled: {self.why}. Job.stacks() shows where each rank is while "
             "one runs; fix the hang, or raise ddp.stall-timeout if a step legitimately takes "
             "that long."
+        )
+
+
+class SupervisorError(DaskDDPError, RuntimeError):
+    """The job's supervisor (on the scheduler) could not carry out one of its own steps,
+    such as asking the cluster's worker pool for workers, so the job was ended rather than
+    left waiting forever. Raised on the client.
+
+    Examples
+    --------
+    >>> print(SupervisorError("3f2a", "the worker pool could not take the job's request"))
+    ... # doctest: +ELLIPSIS
+    job 3f2a was ended by its supervisor: the worker pool could not take the job's request. ...
+    """
+
+    def __init__(self, job: str, why: str) -> None:
+        super().__init__(job, why)
+        self.job, self.why = job, why
+
+    def __str__(self) -> str:
+        return (
+            f"job {self.job} was ended by its supervisor: {self.why}. The scheduler's log has "
+            "the traceback; launch the job again, and report it with that log if it repeats."
         )
 
 

@@ -180,9 +180,14 @@ class World:
         if isinstance(action, lc.Ask):
             if self.request is not None and self.request[2]:
                 raise InvariantBroken("a second Ask while one is pending")
+            if self.rng.random() < 0.02:  # the pool raised: the supervisor tells step
+                self.queue.append(lc.ActionFailed(lc.ActionKind.ASK, action.attempt, why="x"))
+                return
             self.ask(action.want, action.need, waits=True)
         elif isinstance(action, lc.Withdraw):
             self.request = None
+            if self.rng.random() < 0.05:
+                self.queue.append(lc.ActionFailed(lc.ActionKind.WITHDRAW, why="x"))
         elif isinstance(action, lc.Place):
             if self.places:
                 raise InvariantBroken("a second Place while one is in flight")
@@ -223,6 +228,9 @@ class World:
         elif isinstance(action, lc.TakeMore):
             if self.request is not None and self.request[2]:
                 raise InvariantBroken("a TakeMore while an Ask is pending")
+            if self.rng.random() < 0.05:
+                self.queue.append(lc.ActionFailed(lc.ActionKind.TAKE_MORE, why="x"))
+                return
             self.ask(action.want, action.need, waits=False)
         elif isinstance(action, lc.RequestGrow):
             self.grow_asked.add(action.attempt)
@@ -289,7 +297,10 @@ class World:
         elif kind == "restarted":
             self.queue.append(lc.WorkersRestarted(frozenset(action.workers)))
         elif kind == "finish":
-            self.queue.append(lc.Finished())
+            if self.rng.random() < 0.1:  # its clean-up raised: the job is closed all the same
+                self.queue.append(lc.ActionFailed(lc.ActionKind.FINISH, why="x"))
+            else:
+                self.queue.append(lc.Finished())
 
     def kill(self, w: str, *, replace: bool) -> None:
         for p in self.procs:
@@ -463,8 +474,8 @@ class World:
             raise InvariantBroken(f"'stalled' published while the job is {life.phase}")
         if before.phase is lc.Phase.ENDED:
             allowed: tuple[type, ...] = (lc.FailTask,)  # a lost rank's future
-            if isinstance(fact, lc.ActionFailed) and fact.action is lc.ActionKind.ABORT:
-                allowed = (lc.Note,)  # a stop that failed, answered after the end: said
+            if isinstance(fact, lc.ActionFailed):
+                allowed = (lc.Note,)  # an action that failed, answered after the end: said
             if any(not isinstance(a, allowed) for a in actions):
                 raise InvariantBroken(f"an ended job acted: {actions}")
         if isinstance(fact, lc.WorkerLost) and life.phase in (
@@ -571,6 +582,7 @@ class World:
             lc.EndKind.RESIZES: dask_ddp.errors.TooManyResizesError,
             lc.EndKind.STALLED: dask_ddp.JobStalledError,
             lc.EndKind.PLACEMENT: dask_ddp.DaskDDPError,
+            lc.EndKind.SUPERVISOR: dask_ddp.errors.SupervisorError,
         }
         if a.state is JobState.STOPPING:
             if a.error is None:

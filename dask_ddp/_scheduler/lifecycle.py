@@ -114,6 +114,7 @@ class EndKind(str, enum.Enum):
     TASK = "task"  # a rank's task failed without a word from the rank
     PLACEMENT = "placement"  # placing the attempt failed for good
     SCALE = "scale"  # the cluster stayed smaller than the job needs
+    SUPERVISOR = "supervisor"  # an action of the job's supervisor failed: it cannot go on
     RESIZES = "resizes"  # more resizes than ddp.max-resizes in an hour
     STALLED = "stalled"  # no rank progressed for ddp.stall-timeout (ddp.stall-action)
 
@@ -456,6 +457,11 @@ class ActionKind(str, enum.Enum):
     GROW = "grow"
     PUBLISH = "publish"
     FAIL_TASK = "fail-task"
+    ASK = "ask"  # the pool could not take the job's request
+    TAKE_MORE = "take-more"
+    WITHDRAW = "withdraw"
+    DEMAND = "demand"
+    FINISH = "finish"  # the job's end (its replicas, datasets, the pool's record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1041,8 +1047,29 @@ class _Step:
             self.progress()
         elif fact.action is ActionKind.ABORT:
             self.actions.append(Note(f"stopping attempt {fact.attempt}'s ranks: {fact.why}"))
-        elif fact.action in (ActionKind.PUBLISH, ActionKind.FAIL_TASK):
-            # The job's life goes on as decided; its clients are told what could not be done.
+        elif fact.action is ActionKind.ASK:
+            # The request never reached the pool: nothing would ever offer the job workers.
+            if life.phase is Phase.WAITING and fact.attempt == life.attempt:
+                why = f"the worker pool could not take the job's request for workers ({fact.why})"
+                ending = Ending(EndKind.SUPERVISOR, why, error=fact.why)
+                self.actions.append(Withdraw())
+                self.finish(JobState.CANCELLED if life.cancel else JobState.FAILED, ending)
+        elif fact.action is ActionKind.FINISH:
+            # What was left of the job may still be there; nothing of it runs: it is closed.
+            self.actions.append(Note(f"its end was not carried out in full: {fact.why}"))
+            if life.phase is Phase.ENDED:
+                self.set(closed=True)
+        elif fact.action in (
+            ActionKind.PUBLISH,
+            ActionKind.FAIL_TASK,
+            ActionKind.TAKE_MORE,
+            ActionKind.WITHDRAW,
+            ActionKind.DEMAND,
+        ):
+            # The job's life goes on as decided (a look for more workers is dropped, a
+            # request withdrawn at the end is forgotten with the job, adaptive demand shows
+            # again at the next change, and a job short of workers still fails after
+            # ddp.scale-timeout); its clients are told what could not be done.
             self.actions.append(Note(f"{fact.action.value} failed: {fact.why}"))
         # GROW: the ranks go on at their size; the next change of the cluster tries again
 
@@ -1362,6 +1389,8 @@ class _Step:
             return errors.TooManyResizesError(job, ending.resizes, ending.limit, ending.why)
         if kind is EndKind.STALLED:
             return errors.JobStalledError(job, ending.why, ending.causes)
+        if kind is EndKind.SUPERVISOR:
+            return errors.SupervisorError(job, ending.why)
         return errors.DaskDDPError(ending.why)
 
 

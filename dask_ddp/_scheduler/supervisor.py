@@ -76,6 +76,16 @@ def _failed(action: lc.Action, exc: Exception) -> lc.ActionFailed | None:
     """The fact that ``action``, carried out at once, raised ``exc`` (None for actions
     whose failure changes nothing of the job's life: a timer, a note)."""
     why = f"{type(exc).__name__}: {exc}"
+    simple = {
+        lc.Ask: lc.ActionKind.ASK,
+        lc.TakeMore: lc.ActionKind.TAKE_MORE,
+        lc.Withdraw: lc.ActionKind.WITHDRAW,
+        lc.Demand: lc.ActionKind.DEMAND,
+        lc.Finish: lc.ActionKind.FINISH,
+    }
+    if type(action) in simple:
+        attempt = action.attempt if isinstance(action, lc.Ask) else 0
+        return lc.ActionFailed(simple[type(action)], attempt, error=exc, why=why)
     if isinstance(action, lc.Publish):
         return lc.ActionFailed(lc.ActionKind.PUBLISH, action.attempt, error=exc, why=why)
     if isinstance(action, lc.FailTask):
@@ -353,7 +363,7 @@ class Supervisor:
             self._note(action.text)
         elif isinstance(action, lc.Finish):
             self.launch_error = action.error
-            self._spawn(self._finish(), None, 0)
+            self._spawn(self._finish(), lc.ActionKind.FINISH, 0)
 
     def _spawn(self, work: Any, kind: lc.ActionKind | None, attempt: int) -> None:
         """Run ``work`` on the loop; if it raises, that is a fact (``ActionFailed``)."""
@@ -362,8 +372,8 @@ class Supervisor:
             try:
                 await work
             except Exception as exc:
-                if kind is None:
-                    logger.exception("dask-ddp job %s: its end failed", self.job_id)
+                if kind is None:  # a look that changes nothing of the job (a stall sample)
+                    logger.exception("dask-ddp job %s: a background step failed", self.job_id)
                     return
                 why = f"{type(exc).__name__}: {exc}"
                 logger.warning("dask-ddp job %s: %s failed: %s", self.job_id, kind.value, why)
