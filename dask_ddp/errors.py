@@ -9,6 +9,8 @@ exception with the same meaning (``TimeoutError``, ``ValueError``, ...), so exis
 
 from __future__ import annotations
 
+import inspect
+import logging
 import pickle
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -59,6 +61,8 @@ __all__ = [
     "WorkerBusyError",
     "WorkerLostError",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class DaskDDPError(Exception):
@@ -1250,20 +1254,41 @@ class UnsafeCheckpointError(DaskDDPError, pickle.UnpicklingError):
 
 
 def to_wire(error: BaseException) -> dict[str, Any]:
-    """``error`` as plain values, as the scheduler sends a job's error to its clients.
+    """``error`` as plain values, as the scheduler sends a job's error to its clients: its
+    class's name and its constructor's arguments by name (each kept as the attribute of
+    that name), with its text.
 
     >>> from_wire(to_wire(JobCancelledError("3f2a", "no client"))).reason
     'no client'
+    >>> to_wire(ScaleTimeoutError("3f2a", 3, 2, 300.0))["fields"]
+    {'job': '3f2a', 'needed': 3, 'had': 2, 'waited': 300.0}
     """
     text = str(error)
-    args = error.__reduce__()[1]  # what rebuilds it (OSError's args keep only two)
     return {
         "type": type(error).__name__,
-        "args": [_plain(a) for a in args],
+        "fields": _fields(error),
+        "args": [_plain(a) for a in error.__reduce__()[1]],  # a peer of an earlier version
         "text": text,
         "summary": getattr(error, "summary", None) or text.split("\n", 1)[0],
         "traceback": getattr(error, "rank_traceback", None) or None,
     }
+
+
+def _fields(error: BaseException) -> dict[str, Any] | None:
+    """The constructor's arguments by name, from the attributes of the same names; None
+    for a class that does not keep each (a builtin, a user's own)."""
+    try:
+        params = list(inspect.signature(type(error).__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    fields = {}
+    for param in params:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            return None
+        if not hasattr(error, param.name):
+            return None
+        fields[param.name] = _plain(getattr(error, param.name))
+    return fields
 
 
 def _plain(value: Any) -> Any:
@@ -1273,16 +1298,20 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, scalar) for v in value):
         return list(value)
+    if isinstance(value, Mapping) and all(isinstance(v, scalar) for v in value.values()):
+        return {str(k): v for k, v in value.items()}
     return str(value)
 
 
 def from_wire(data: dict[str, Any]) -> DaskDDPError:
-    """The error :func:`to_wire` described: the same dask_ddp class, else a
-    :class:`DaskDDPError` with its text."""
+    """The error :func:`to_wire` described: the same dask_ddp class, rebuilt from its named
+    fields, else a :class:`DaskDDPError` with its text (and a warning: a constructor that
+    no longer takes what was sent; ``tests/test_errors.py`` round-trips every error)."""
     cls = globals().get(data.get("type", ""))
     if isinstance(cls, type) and issubclass(cls, DaskDDPError):
+        fields = data.get("fields")
         try:
-            return cls(*data.get("args", ()))
-        except TypeError:
-            pass
+            return cls(**fields) if fields is not None else cls(*data.get("args", ()))
+        except TypeError as exc:
+            logger.warning("a %s could not be rebuilt from %s: %s", cls.__name__, fields, exc)
     return DaskDDPError(data.get("text", "the job failed"))

@@ -97,3 +97,57 @@ def test_the_job_s_errors_pickle_and_travel_as_plain_values() -> None:
         assert type(again) is type(error) and str(again) == str(error)
         wired = errors.from_wire(errors.to_wire(error))
         assert type(wired) is type(error) and str(wired) == str(error)
+
+
+def _example_value(name: str, annotation: str) -> object:
+    """A made-up argument for parameter ``name`` of a constructor, by its annotation."""
+    if "Literal" in annotation or name == "problem":
+        return "credentials" if "credentials" in annotation else "unreachable"
+    if annotation.startswith(("int", "float")) or annotation in ("int | None", "float | None"):
+        return 3 if "int" in annotation else 2.5
+    if annotation.startswith("bool"):
+        return True
+    if annotation.startswith(("Mapping", "dict")):
+        return {"a.py": 5}
+    if annotation.startswith(("tuple", "list", "Sequence")):
+        return ("a", "b") if "str" in annotation else (1, 2)
+    return f"<{name}>"
+
+
+def _every_error() -> list[type]:
+    return [
+        getattr(errors, name)
+        for name in errors.__all__
+        if isinstance(getattr(errors, name), type)
+        and issubclass(getattr(errors, name), errors.DaskDDPError)
+    ]
+
+
+def test_every_error_round_trips_from_its_named_fields() -> None:
+    # The scheduler sends a job's error to its clients by class name and named fields; a
+    # constructor that changes without its attributes (or the other way) fails here instead
+    # of degrading, on the client, into a plain DaskDDPError with the text.
+    import inspect
+
+    import msgpack
+
+    checked = []
+    for cls in _every_error():
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        if any(p.kind is p.VAR_POSITIONAL for p in params):  # Exception's own: its message
+            again = errors.from_wire(errors.to_wire(cls("what happened")))
+            assert type(again) is cls and str(again) == "what happened", cls.__name__
+            checked.append(cls.__name__)
+            continue
+        kwargs = {
+            p.name: _example_value(p.name, str(p.annotation))
+            for p in params
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
+        error = cls(**kwargs)
+        wire = msgpack.unpackb(msgpack.packb(errors.to_wire(error)))
+        assert wire["fields"] is not None, f"{cls.__name__} does not keep its arguments"
+        again = errors.from_wire(wire)
+        assert type(again) is cls and str(again) == str(error), cls.__name__
+        checked.append(cls.__name__)
+    assert len(checked) == len(_every_error()) > 30
