@@ -27,6 +27,7 @@ from distributed import Client, Future
 
 from .. import errors
 from .._shared import tracebacks, view
+from .._shared.protocol import StateMessage
 from .._shared.values import CheckpointInfo, JobInfo, JobState, MetricRecord, OutputLine, Transition
 from ..errors import JobNotFoundError, RankFailedError
 from . import calls
@@ -567,11 +568,12 @@ def attach(client: Client, job: str) -> Job:
     reader.follow()  # what came meanwhile is in the scheduler's history, read first
     model.apply_state(state)
     model.seed(state["summary"], state["checkpoints"])
-    if JobState(state["state"]).final:
+    told = StateMessage.from_wire(state)
+    if told.state.final:
         model.finish()
-    if state.get("stopped"):
+    if told.stopped:
         model.close()
-    reader.start(resumed=(state["run_id"],) if state.get("run_id") else ())
+    reader.start(resumed=(told.run_id,) if told.run_id else ())
     reader.caught_up.wait(_CLOSE_WAIT)  # Job.metrics has the records the cluster held
     return Job(client, model, reader)
 

@@ -24,7 +24,6 @@ from typing import Any
 from .._shared import protocol, view
 from .._shared.progress import Progress, view_state
 from .._shared.values import (
-    AttemptStart,
     CheckpointInfo,
     JobState,
     MetricRecord,
@@ -93,37 +92,35 @@ class JobModel:
 
     # -- written by the reader ------------------------------------------------------------
     def apply_state(self, msg: dict[str, Any]) -> bool:
-        """Take the supervisor's message (older ones than the last taken are ignored);
-        return True when it starts a new placement."""
+        """Take the supervisor's message (a :class:`~dask_ddp._shared.protocol.StateMessage`
+        on the wire; older ones than the last taken are ignored); return True when it starts
+        a new placement."""
+        m = protocol.StateMessage.from_wire(msg)
         with self.cond:
-            if msg.get("version", 0) <= self.version:
+            if m.version <= self.version:
                 return False
-            self.version = msg.get("version", 0)
-            new = msg.get("run_id") != self.run_id and msg.get("run_id") is not None
-            self.state = JobState(msg["state"])
-            outcome = msg.get("outcome") or (self.state.value if self.state.final else None)
-            self.outcome = JobState(outcome) if outcome else None
-            self.name = msg.get("name") or self.name
-            self.attempt = msg.get("attempt", 0)
-            self.run_id = msg.get("run_id")
-            self.backend = msg.get("backend", "")
-            self.dataset = msg.get("dataset")
-            self.keys = list(msg.get("keys", []))
-            self.history = with_starts(
-                [Transition.from_wire(t) for t in msg.get("history", [])],
-                [AttemptStart.from_wire(s) for s in msg.get("starts", [])],
-            )
-            self.error = msg.get("error")
-            self.wait_reason = msg.get("waiting")
-            self.total_steps = msg.get("total")
-            self.started = msg.get("started", self.started)
-            self._their_notes = list(msg.get("notes", []))
-            if new or msg.get("workers", []) != self.workers:
-                self.workers = list(msg.get("workers", []))
+            self.version = m.version
+            new = m.run_id != self.run_id and m.run_id is not None
+            self.state = m.state
+            self.outcome = m.outcome or (m.state if m.state.final else None)
+            self.name = m.name or self.name
+            self.attempt = m.attempt
+            self.run_id = m.run_id
+            self.backend = m.backend
+            self.dataset = m.dataset
+            self.keys = list(m.keys)
+            self.history = with_starts(list(m.history), list(m.starts))
+            self.error = m.error
+            self.wait_reason = m.waiting
+            self.total_steps = m.total
+            self.started = m.started or self.started
+            self._their_notes = list(m.notes)
+            if new or list(m.workers) != self.workers:
+                self.workers = list(m.workers)
                 self.progress.place(self.workers)
-            for rank, ended in enumerate(msg.get("ended", [])):
+            for rank, ended in enumerate(m.ended):
                 if ended is not None:
-                    self.progress.end(rank, protocol.Ended.from_wire(ended))
+                    self.progress.end(rank, ended)
             if self.state.final and self.finished is None:
                 self.finished = time.time()
             self.cond.notify_all()

@@ -25,7 +25,7 @@ from typing import Any
 from distributed import Client
 
 from .._shared import dask_internals
-from .._shared.protocol import BLOB_HANDLER, Entry, Told, call, decode, job_topic
+from .._shared.protocol import BLOB_HANDLER, Entry, StateMessage, Told, call, decode, job_topic
 from ..errors import ChannelError
 from . import topics
 from .model import JobModel
@@ -234,7 +234,7 @@ class EventReader:
                 msg = await self._queue.get()
                 if not isinstance(msg, dict):
                     continue
-                if msg.get("kind") == "state" and msg.get("job") == self.model.job_id:
+                if StateMessage.is_one(msg, self.model.job_id):
                     await self._state(msg)
                 elif "rank" in msg:
                     await self._rank_event(msg)
@@ -251,7 +251,7 @@ class EventReader:
         await self.fetch_futures()
         if self.model.outcome is not None:  # decided: final, or stopping on the way there
             await self._callbacks_done()
-            if msg.get("stopped"):
+            if StateMessage.from_wire(msg).stopped:
                 self._warn_missing()
                 self.model.close()
             else:

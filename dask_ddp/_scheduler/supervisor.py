@@ -37,7 +37,7 @@ from .. import errors
 from .._shared import tracebacks
 from .._shared.placement import WorkerInfo, order_workers
 from .._shared.progress import Progress, view_state
-from .._shared.protocol import RankOutcome, Told, job_topic
+from .._shared.protocol import RankOutcome, StateMessage, Told, job_topic
 from .._shared.values import AttemptStart, CheckpointInfo, JobSpec, JobState, Transition
 from ..errors import DaskDDPError, WireVersionError
 from . import lifecycle as lc
@@ -763,34 +763,34 @@ class Supervisor:
         return None
 
     def public_state(self) -> dict[str, Any]:
-        """The job as clients see it (msgpack-able): state, placement, history, error."""
+        """The job as clients see it (a :class:`~dask_ddp._shared.protocol.StateMessage`,
+        msgpack-able): state, placement, history, error."""
         a = self.attempt
-        waiting = self._holding()
-        return {
-            "kind": "state",
-            "version": self._version,
-            "job": self.job_id,
-            "name": self.spec.name,
-            "state": self.state.value,
-            "outcome": self._outcome(),
-            "attempt": a.number if a is not None else 0,
-            "run_id": a.run_id if a is not None else None,
-            "workers": list(a.workers) if a is not None else [],
-            "backend": a.backend if a is not None else "",
-            "dataset": a.dataset if a is not None and a.published else None,
-            "keys": list(a.keys) if a is not None else [],
-            "ended": [e and e.to_wire() for e in self.progress.ended()] if a is not None else [],
-            "waiting": waiting,
-            "history": [t.to_wire() for t in self.history],
-            "starts": [s.to_wire() for s in self.starts.values()],
-            "error": errors.to_wire(self.error) if self.error is not None else None,
-            "notes": list(self.notes),
-            "total": self.spec.total_steps,
-            "stopped": self.closed,
-            "launched_by": self.spec.launched_by,
-            "started": self.started,
-            "detached": self.spec.detach,
-        }
+        outcome = self._outcome()
+        return StateMessage(
+            job=self.job_id,
+            state=self.state,
+            version=self._version,
+            name=self.spec.name,
+            outcome=JobState(outcome) if outcome else None,
+            attempt=a.number if a is not None else 0,
+            run_id=a.run_id if a is not None else None,
+            workers=tuple(a.workers) if a is not None else (),
+            backend=a.backend if a is not None else "",
+            dataset=a.dataset if a is not None and a.published else None,
+            keys=tuple(a.keys) if a is not None else (),
+            ended=tuple(self.progress.ended()) if a is not None else (),
+            waiting=self._holding(),
+            history=tuple(self.history),
+            starts=tuple(self.starts.values()),
+            error=errors.to_wire(self.error) if self.error is not None else None,
+            notes=tuple(self.notes),
+            total=self.spec.total_steps,
+            stopped=self.closed,
+            launched_by=self.spec.launched_by,
+            started=self.started,
+            detached=self.spec.detach,
+        ).to_wire()
 
     def _outcome(self) -> str | None:
         """The state the job ends in, once that is decided (while it is ``stopping``)."""

@@ -42,6 +42,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..errors import WIRE_VERSION, WireVersionError
 from .placement import RankPlacement
+from .values import AttemptStart, JobState, Transition
 
 __all__ = [
     "BLOB_HANDLER",
@@ -57,6 +58,7 @@ __all__ = [
     "RankSpec",
     "Rendezvous",
     "Restore",
+    "StateMessage",
     "Told",
     "Verdict",
     "acall",
@@ -501,6 +503,101 @@ HANDLERS = {
     "values": "dask_ddp_values",
     "ready": "dask_ddp_ready",
 }
+
+
+# -- what the supervisor tells its clients ----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StateMessage:
+    """The job as its supervisor tells every client: on the job's topic at each change, and
+    as the answer to ``launch()`` and ``attach()`` (which adds ``summary`` and
+    ``checkpoints``). Read by field on both sides, as the other records between the wings.
+
+    ``version`` grows with each message (a client ignores older ones); ``outcome`` is the
+    state the job ends in once that is decided (while it is ``stopping``); ``ended`` says how
+    each rank of the attempt ended, so far; ``error`` is the job's error as
+    :func:`dask_ddp.errors.to_wire` sends it; ``stopped``: nothing of the job runs any more
+    (its life is closed).
+
+    >>> m = StateMessage("3f2a", JobState.RUNNING, version=2, workers=("tcp://a:1",))
+    >>> StateMessage.from_wire(m.to_wire()) == m
+    True
+    >>> StateMessage.is_one({"kind": "state", "job": "3f2a"}, "3f2a")
+    True
+    """
+
+    job: str
+    state: JobState
+    version: int = 0
+    name: str | None = None
+    outcome: JobState | None = None
+    attempt: int = 0
+    run_id: str | None = None
+    workers: tuple[str, ...] = ()
+    backend: str = ""
+    dataset: str | None = None
+    keys: tuple[str, ...] = ()
+    ended: tuple[Ended | None, ...] = ()
+    waiting: str | None = None
+    history: tuple[Transition, ...] = ()
+    starts: tuple[AttemptStart, ...] = ()
+    error: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+    total: int | None = None
+    stopped: bool = False
+    launched_by: str = "?"
+    started: float = 0.0
+    detached: bool = False
+
+    @staticmethod
+    def is_one(msg: Any, job: str) -> bool:
+        """Whether an event of the job's topic is this job's state message."""
+        return isinstance(msg, dict) and msg.get("kind") == "state" and msg.get("job") == job
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain (msgpack-able) values with the record's version."""
+        return {
+            "kind": "state",
+            "v": VERSION,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            "state": self.state.value,
+            "outcome": None if self.outcome is None else self.outcome.value,
+            "workers": list(self.workers),
+            "keys": list(self.keys),
+            "ended": [e and e.to_wire() for e in self.ended],
+            "history": [t.to_wire() for t in self.history],
+            "starts": [s.to_wire() for s in self.starts],
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> StateMessage:
+        """The message :meth:`to_wire` described (other keys, such as ``summary``, are
+        left out).
+
+        Raises
+        ------
+        WireVersionError
+            The record is of a newer version than this dask-ddp reads.
+        """
+        _check_version("state message", data)
+        names = {f.name for f in dataclasses.fields(cls)}
+        plain = {k: v for k, v in data.items() if k in names}
+        outcome = data.get("outcome")
+        return cls(
+            **{
+                **plain,
+                "state": JobState(data["state"]),
+                "outcome": JobState(outcome) if outcome else None,
+                "workers": tuple(data.get("workers") or ()),
+                "keys": tuple(data.get("keys") or ()),
+                "ended": tuple(
+                    Ended.from_wire(e) if e is not None else None for e in data.get("ended") or ()
+                ),
+                "history": tuple(Transition.from_wire(t) for t in data.get("history") or ()),
+                "starts": tuple(AttemptStart.from_wire(t) for t in data.get("starts") or ()),
+                "notes": tuple(data.get("notes") or ()),
+            }
+        )
 
 
 # -- what a rank task needs ------------------------------------------------------------------
