@@ -86,6 +86,14 @@ def _check_version(kind: str, data: dict[str, Any]) -> None:
         raise WireVersionError(kind, version)
 
 
+def _known_fields(cls: type, kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The values of ``data`` that are fields of the record class ``cls`` (a newer peer's
+    extra keys left out), once its version is one this dask-ddp reads."""
+    _check_version(kind, data)
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
 class Verdict(str, enum.Enum):
     """What a rank's end means for its job, as the rank decided it.
 
@@ -265,9 +273,7 @@ class RankOutcome:
         WireVersionError
             The record is of a newer version than this dask-ddp reads.
         """
-        _check_version("rank outcome", data)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in fields}
+        values = _known_fields(cls, "rank outcome", data)
         fault = data.get("fault")
         return cls(
             **{
@@ -579,9 +585,7 @@ class StateMessage:
         WireVersionError
             The record is of a newer version than this dask-ddp reads.
         """
-        _check_version("state message", data)
-        names = {f.name for f in dataclasses.fields(cls)}
-        plain = {k: v for k, v in data.items() if k in names}
+        plain = _known_fields(cls, "state message", data)
         outcome = data.get("outcome")
         return cls(
             **{
