@@ -107,7 +107,7 @@ class Job:
         self.job_id = model.job_id
         self._model = model
         self._reader = reader
-        self._sources = sources  # the client's copy of the function, for tracebacks
+        self._sources = sources  # where the function's code came from: tracebacks, stacks
         self._error: tuple[Any, BaseException | None] = (None, None)
 
     @property
@@ -271,7 +271,9 @@ class Job:
         dict
             Rank -> its stacks as faulthandler writes them (``Thread 0x... (most recent
             call first):`` then ``File "train.py", line 42 in train``...), for the ranks
-            running now; empty once the job ended.
+            running now; empty once the job ended. A frame of code sent by value (a
+            notebook cell's or ``__main__``'s function) is under its cell or file, as
+            in a traceback (``Cell In[3], line 4 in train``), with its source line.
 
         Examples
         --------
@@ -287,7 +289,8 @@ class Job:
             on_error="return",
         )  # fmt: skip
         found = [item for a in answers.values() if isinstance(a, list) for item in a]
-        return {rank: text for rank, text in sorted(found)}
+        place = self._sources.restack if self._sources is not None else str
+        return {rank: place(text) for rank, text in sorted(found)}
 
     def forget(self) -> None:
         """Let the cluster forget this finished job: its record, its ranks' return values
@@ -575,7 +578,7 @@ def attach(client: Client, job: str) -> Job:
         model.close()
     reader.start(resumed=(told.run_id,) if told.run_id else ())
     reader.caught_up.wait(_CLOSE_WAIT)  # Job.metrics has the records the cluster held
-    return Job(client, model, reader)
+    return Job(client, model, reader, state.get("sources"))
 
 
 def _metrics_frame(records: list[MetricRecord]) -> pandas.DataFrame:

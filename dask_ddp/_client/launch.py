@@ -383,6 +383,7 @@ def _launch(
     if isinstance(workers, (list, tuple)):
         workers = [str(w) for w in workers]
     payload = _pickled(fn, args, kwargs)
+    sources = tracebacks.Sources(fn)  # where its code sent by value came from
     calls.install(client)
     job_id = uuid.uuid4().hex[:12]
     persisted = None
@@ -415,6 +416,7 @@ def _launch(
         datasets=tuple(persisted.specs) if persisted is not None else (),
         datasets_name=persisted.name if persisted is not None else None,
         adaptive=dask_internals.is_adaptive(client) if adaptive is None else adaptive,
+        sources=sources,
     )
     model = JobModel(job_id, spec.name)
     model.total_steps = total_steps
@@ -429,7 +431,7 @@ def _launch(
         raise
     model.apply_state(state)
     reader.start()
-    return Job(client, model, reader, tracebacks.Sources(fn))
+    return Job(client, model, reader, sources)
 
 
 def launch_script(

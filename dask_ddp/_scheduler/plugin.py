@@ -365,6 +365,7 @@ class DaskDDPPlugin(SchedulerPlugin):
             **found.public_state(),
             "summary": found.summary(),
             "checkpoints": [dataclasses.asdict(c) for c in found.checkpoints],
+            "sources": dask_internals.pickled(found.spec.sources),  # for stacks, tracebacks
         }
 
     async def forget(self, job_id: str) -> None:

@@ -425,7 +425,7 @@ class Supervisor:
             return
         causes, where, waiting = [], [], []
         for rank, text in sorted(stacks.items()):
-            in_collective, at = tracebacks.stuck_at(text)
+            in_collective, at = tracebacks.stuck_at(text, self.spec.sources)
             if in_collective:
                 waiting.append(rank)
             else:

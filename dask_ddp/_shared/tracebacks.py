@@ -29,6 +29,9 @@ _LIBRARY_DIRS = tuple(
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x", re.M)
 _DYNAMIC = "<dynamic-code>"  # the file name cloudpickle gives code it sends by value
+_DYNAMIC_FRAME = re.compile(
+    r'^(?P<indent>[ \t]*)File "<dynamic-code>", line (?P<line>\d+) in (?P<name>.*)$', re.M
+)
 _CARETS = re.compile(r"^\s*[\^~]+\s*$")
 
 
@@ -45,7 +48,11 @@ def _codes(fn: Any) -> Iterator[types.CodeType]:
 
 
 class Sources:
-    """Where the client's copy of a job's function lives: file and lines of each code object.
+    """Where the client's copy of a job's function lives: file, lines and source text of
+    each code object, taken on the client (where a notebook cell's lines are) and sent
+    with the job, so that a rank's code sent by value (``<dynamic-code>``) reads as its
+    author wrote it wherever it is shown: a failed rank's traceback (:func:`rebuild`), its
+    stacks (:meth:`restack`) and where a stalled rank is (:func:`stuck_at`).
 
     >>> def train():
     ...     return 1
@@ -54,22 +61,85 @@ class Sources:
     (True, True)
     >>> first == train.__code__.co_firstlineno
     True
+    >>> Sources(train).source_line("train", train.__code__.co_firstlineno + 1)
+    'return 1'
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        self._spans: dict[str, list[tuple[int, int, str]]] = {}
+        # code name -> (first line, last line, file, shown name, the source lines between)
+        self._spans: dict[str, list[tuple[int, int, str, str, tuple[str, ...]]]] = {}
         for code in _codes(fn):
             lines = [line for _, _, line in code.co_lines() if line is not None]
             first, last = code.co_firstlineno, max(lines, default=code.co_firstlineno)
-            self._spans.setdefault(code.co_name, []).append((first, last, code.co_filename))
+            filename = code.co_filename
+            text = tuple(linecache.getlines(filename)[first - 1 : last])
+            span = (first, last, filename, _cell_name(filename), text)
+            self._spans.setdefault(code.co_name, []).append(span)
+
+    def _span(self, name: str, lineno: int) -> tuple[int, int, str, str, tuple[str, ...]] | None:
+        for span in self._spans.get(name, ()):
+            if span[0] <= lineno <= span[1]:
+                return span
+        return None
 
     def place(self, name: str, lineno: int) -> tuple[str, str, int] | None:
         """(file, shown name, the code's first line) of the frame ``name`` at ``lineno``
         sent as dynamic code."""
-        for first, last, filename in self._spans.get(name, ()):
-            if first <= lineno <= last:
-                return filename, _cell_name(filename), first
-        return None
+        span = self._span(name, lineno)
+        return None if span is None else (span[2], span[3], span[0])
+
+    def source_line(self, name: str, lineno: int) -> str:
+        """The source line ``lineno`` of the code ``name``, stripped; "" if unknown."""
+        span = self._span(name, lineno)
+        return "" if span is None else _line(span, lineno)
+
+    def restack(self, stacks: str) -> str:
+        r"""A :mod:`faulthandler` dump with each frame of code sent by value under its file
+        (or notebook cell) and followed by its source line, as a traceback shows it.
+
+        >>> def train():
+        ...     return 1
+        >>> line = train.__code__.co_firstlineno + 1
+        >>> dump = f'Current thread 0x02:\n  File "<dynamic-code>", line {line} in train\n'
+        >>> shown = Sources(train).restack(dump).splitlines()
+        >>> shown[1] == f'  File "{train.__code__.co_filename}", line {line} in train'
+        True
+        >>> shown[2]
+        '    return 1'
+        """
+
+        def frame(m: re.Match[str]) -> str:
+            name, lineno = m["name"], int(m["line"])
+            span = self._span(name, lineno)
+            if span is None:
+                return m[0]
+            source = _line(span, lineno)
+            return f"{m['indent']}{span[3]}, line {lineno} in {name}" + (
+                f"\n{m['indent']}  {source}" if source else ""
+            )
+
+        return _DYNAMIC_FRAME.sub(frame, stacks)
+
+    def where(self, name: str, lineno: int) -> str | None:
+        """Where a stalled rank is in code sent by value, ``"train (train.py:42:
+        time.sleep(3600))"`` (``Cell In[3], line 4`` in a notebook), or None if unknown."""
+        span = self._span(name, lineno)
+        if span is None:
+            return None
+        shown = span[3]
+        at = (
+            f"{os.path.basename(span[2])}:{lineno}"
+            if shown.startswith("File ")
+            else f"{shown}, line {lineno}"
+        )
+        source = _line(span, lineno)
+        return f"{name} ({at}: {source})" if source else f"{name} ({at})"
+
+
+def _line(span: tuple[int, int, str, str, tuple[str, ...]], lineno: int) -> str:
+    """Line ``lineno`` of ``span``'s source, stripped; "" where the client had none."""
+    first, text = span[0], span[4]
+    return text[lineno - first].strip() if 0 <= lineno - first < len(text) else ""
 
 
 def _cell_name(filename: str) -> str:
@@ -178,10 +248,11 @@ def rebuild(exc: BaseException, sources: Sources | None = None) -> BaseException
     return exc
 
 
-def stuck_at(stacks: str) -> tuple[bool, str]:
+def stuck_at(stacks: str, sources: Sources | None = None) -> tuple[bool, str]:
     r"""Where a rank's main thread is, from its :mod:`faulthandler` dump (every thread,
     the main one last): whether it waits in a collective (``torch.distributed`` on top),
-    and its innermost frame of the user's own code, ``"train (train.py:42)"``.
+    and its innermost frame of the user's own code, ``"train (train.py:42)"``; in code
+    sent by value, where ``sources`` (the job's function) places it, with its source line.
 
     >>> dump = (
     ...     'Thread 0x01 (most recent call first):\n  File "/x/threading.py", line 9 in wait\n\n'
@@ -200,7 +271,8 @@ def stuck_at(stacks: str) -> tuple[bool, str]:
         return False, "?"
     waiting = any("torch/distributed/" in path for path, _, _ in frames[:4])
     file, line, name = next((f for f in frames if not _library(f[0])), frames[0])
-    return waiting, f"{name} ({os.path.basename(file)}:{line})"
+    placed = sources.where(name, int(line)) if file == _DYNAMIC and sources else None
+    return waiting, placed or f"{name} ({os.path.basename(file)}:{line})"
 
 
 def _library(path: str) -> bool:

@@ -324,6 +324,7 @@ class JobSpec:
     datasets: tuple[Any, ...] = ()
     datasets_name: str | None = None
     adaptive: bool = False
+    sources: Any = None  # tracebacks.Sources: the function's code by value, placed
 
 
 @dataclasses.dataclass(frozen=True)
