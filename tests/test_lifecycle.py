@@ -83,6 +83,7 @@ class World:
             drain=10.0,
             scale_timeout=300.0,
             orphan_timeout=600.0,
+            stall_timeout=rng.choice([None, 120.0]),
             stall_action=rng.choice(list(lc.StallAction)),
         )
         self.names = itertools.count()
@@ -114,6 +115,8 @@ class World:
         self.discarded = 0
         self.stopping_error: BaseException | None = None
         self.fired_after_cancel: list[lc.Timer] = []
+        self.spoke_at = 0.0  # the ranks' last word (Sampled's quiet_since)
+        self.moved = 0  # where the ranks' stacks are (a new frame: they moved)
 
     def new_name(self) -> str:
         return f"w{next(self.names)}"
@@ -369,7 +372,7 @@ class World:
         if running and cooperate:
             weights["end"] = 2
         if running:
-            weights.update(stall=0.3, progress=0.3)
+            weights.update(sample=0.8, progress=0.3)
         if grow:
             if self.cluster:
                 weights["kill"] = 0.4
@@ -405,14 +408,23 @@ class World:
                 self.queue.append(lc.RankStarted(p.attempt, p.rank))
         elif pick == "end":
             self.end_proc(rng.choice(running), marker=rng.random() > 0.05)
-        elif pick == "stall":  # the supervisor saw no progress and the same stacks
+        elif pick == "sample":  # the supervisor sampled the stacks while no rank spoke
             ranks = sorted({p.rank for p in running})
             causes = tuple(r for r in ranks if rng.random() < 0.5)
             waiting = tuple(r for r in ranks if r not in causes)
             where = tuple(f"train (train.py:{r})" for r in causes)
+            if rng.random() < 0.3:  # the ranks moved on without a word
+                self.moved += 1
+            stacks = tuple((r, f"frame {self.moved}") for r in ranks)
             attempt = rng.choice([self.life.attempt, self.life.attempt, self.life.attempt - 1])
-            self.queue.append(lc.Stalled(attempt, 120.0, causes, where, waiting))
-        elif pick == "progress":
+            quiet = rng.choice([30.0, 119.0, 120.0, 300.0, 300.0])
+            complete = rng.random() < 0.9
+            self.queue.append(
+                lc.Sampled(attempt, quiet, self.spoke_at, stacks, complete, causes, where, waiting)
+            )
+        elif pick == "progress":  # a rank spoke
+            self.spoke_at += 1.0
+            self.moved += 1
             self.queue.append(lc.Progressed(self.life.attempt))
         elif pick == "kill":
             self.kill(rng.choice(sorted(self.cluster)), replace=rng.random() < 0.7)
@@ -472,6 +484,7 @@ class World:
             raise InvariantBroken(f"'{life.state.value}' published, stalled={life.stalled}")
         if life.state is JobState.STALLED and life.phase is not lc.Phase.RUNNING:
             raise InvariantBroken(f"'stalled' published while the job is {life.phase}")
+        self.check_stall(before, fact, actions)
         if before.phase is lc.Phase.ENDED:
             allowed: tuple[type, ...] = (lc.FailTask,)  # a lost rank's future
             if isinstance(fact, lc.ActionFailed):
@@ -560,6 +573,32 @@ class World:
             raise InvariantBroken("a placement that lost a worker failed the job")
         if life.phase is lc.Phase.RUNNING and not self.ran:
             raise InvariantBroken("running, and launch() was never told")
+
+    def check_stall(self, before: lc.Life, fact: Any, actions: list[Any]) -> None:
+        """A running attempt stalls exactly when no rank spoke for ddp.stall-timeout and
+        every rank's stacks were the same in two samples with no word between them; it acts
+        as ddp.stall-action says, and a word clears it."""
+        said = [a for a in actions if isinstance(a, lc.Publish) and a.state is JobState.STALLED]
+        if not isinstance(fact, lc.Sampled):
+            if said:
+                raise InvariantBroken(f"stalled on {fact}, not on a sample")
+            return
+        timeout = self.policy.stall_timeout
+        should = (
+            before.phase is lc.Phase.RUNNING
+            and before.ending is None
+            and not before.stalled
+            and fact.attempt == before.attempt
+            and timeout is not None
+            and fact.quiet >= timeout
+            and fact.complete
+            and before.sample == (fact.attempt, fact.quiet_since, fact.stacks)
+        )
+        if bool(said) != should:
+            raise InvariantBroken(f"{fact} after {before.sample}: stalled {bool(said)}")
+        ended = self.life.ending is not None and self.life.ending.kind is lc.EndKind.STALLED
+        if should and ended != (self.policy.stall_action is not lc.StallAction.WARN):
+            raise InvariantBroken(f"stalled with {self.policy.stall_action}: ended {ended}")
 
     def check_error(self, a: lc.Publish) -> None:
         if a.state is JobState.RESTARTING:

@@ -227,6 +227,7 @@ class Policy:
     drain: float = 10.0
     scale_timeout: float = 300.0
     orphan_timeout: float = 600.0
+    stall_timeout: float | None = 120.0  # ddp.stall-timeout; None: no stall is ever decided
     stall_action: StallAction = StallAction.WARN
     result_limit: int = 1_048_576  # ddp.result-limit: the values the supervisor holds
 
@@ -286,6 +287,8 @@ class Life:
     tokens: int = 0
     restarting: frozenset[str] = frozenset()  # workers asked to restart, not yet answered
     stalled: bool = False  # the running attempt is stalled (published: JobState.STALLED)
+    sample: tuple[int, float, tuple[tuple[int, str], ...]] | None = None  # the last stack
+    # sample taken while no rank spoke: (attempt, quiet_since, stacks)
     closed: bool = False  # ended, and its Finish carried out: nothing of it is left running
 
     @classmethod
@@ -416,14 +419,20 @@ class ClientAttached:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stalled:
-    """No rank of ``attempt`` sent anything for ``idle`` seconds, and their stacks did not
-    change between two samples: ``causes`` are the ranks outside a collective (the likely
-    cause), at ``where`` (``"train (train.py:42)"``, one per cause); ``waiting`` the ranks
-    waiting in a collective."""
+class Sampled:
+    """The stacks of ``attempt``'s ranks, sampled while none had sent anything for
+    ``quiet`` seconds, since ``quiet_since`` (the supervisor's clock: two samples with the
+    same ``quiet_since`` had no word from any rank between them). ``stacks``: each rank's
+    stack text, ``(rank, text)`` in rank order; ``complete``: every rank answered.
+    ``causes`` are the ranks outside a collective (the likely cause of a stall), at
+    ``where`` (``"train (train.py:42)"``, one per cause); ``waiting`` the ranks waiting in
+    a collective. Whether this is a stall is :func:`step`'s to decide."""
 
     attempt: int
-    idle: float
+    quiet: float
+    quiet_since: float
+    stacks: tuple[tuple[int, str], ...]
+    complete: bool = True
     causes: tuple[int, ...] = ()
     where: tuple[str, ...] = ()
     waiting: tuple[int, ...] = ()
@@ -496,7 +505,7 @@ Fact = (
     | Finished
     | TimerFired
     | ActionFailed
-    | Stalled
+    | Sampled
     | Progressed
 )
 
@@ -936,7 +945,9 @@ class _Step:
             self.disarm(Timer.ORPHAN)
             self.actions.append(Note("a client attached; the job is followed again"))
 
-    def on_Stalled(self, fact: Stalled) -> None:
+    def on_Sampled(self, fact: Sampled) -> None:
+        """A stall is no word from any rank for ``ddp.stall-timeout`` and the same stacks,
+        every rank's, in two samples with no word between them."""
         life = self.life
         if (
             life.phase is not Phase.RUNNING
@@ -945,8 +956,13 @@ class _Step:
             or life.stalled
         ):
             return
+        seen = (fact.attempt, fact.quiet_since, fact.stacks)
+        self.set(sample=seen)
+        timeout = self.policy.stall_timeout
+        if timeout is None or fact.quiet < timeout or not fact.complete or life.sample != seen:
+            return
         causes = [f"rank {r} in {w}" for r, w in zip(fact.causes, fact.where, strict=True)]
-        why = f"no rank progressed for {fact.idle:.0f} s"
+        why = f"no rank progressed for {fact.quiet:.0f} s"
         if causes:
             why += f"; outside a collective (the likely cause): {', '.join(causes)}"
         if fact.waiting:

@@ -128,6 +128,7 @@ class Supervisor:
             drain=settings.event_drain_timeout,
             scale_timeout=settings.scale_timeout,
             orphan_timeout=settings.orphan_timeout,
+            stall_timeout=settings.stall_timeout,
             stall_action=lc.StallAction(settings.stall_action),
             result_limit=settings.result_limit,
         )
@@ -155,10 +156,9 @@ class Supervisor:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._since = self.started  # when the job last stopped training
         self._version = 0  # of the last message to the clients (they ignore older ones)
-        # Stalls: when a rank of the current attempt last sent anything, and the ranks'
-        # stacks at the last sample taken while none did.
+        # Stalls: when a rank of the current attempt last sent anything (Sampled's
+        # quiet_since; the last sample itself is the life's).
         self._progress_at = time.monotonic()
-        self._stacks: dict[int, str] | None = None
         self._watch: asyncio.TimerHandle | None = None
         self._soon: asyncio.TimerHandle | None = None  # a message due (_publish_soon)
         # The attempt whose futures are being published: no client hears the job's outcome
@@ -234,7 +234,7 @@ class Supervisor:
             return  # the supervisor's own messages, or a rank of an attempt before this one
         if not 0 <= rank < len(a.workers):
             return
-        self._progress_at, self._stacks = time.monotonic(), None
+        self._progress_at = time.monotonic()
         self.plugin.changes.bump()  # the pages show the ranks' progress as it comes
         if self.life.stalled:
             self.feed(lc.Progressed(a.number))
@@ -386,8 +386,8 @@ class Supervisor:
     # -- stalls ----------------------------------------------------------------------------
     def _watch_stalls(self) -> None:
         """Every quarter of ``ddp.stall-timeout``: once no rank sent anything for half of
-        it, sample the ranks' stacks; a stall is no progress for the whole timeout and the
-        same stacks in two samples (a fact for ``step``, which says and acts)."""
+        it, sample the ranks' stacks (a fact for ``step``, which decides whether the job
+        stalled, says so and acts)."""
         timeout = self.settings.stall_timeout
         assert timeout is not None
         if self.life.phase is lc.Phase.ENDED:
@@ -395,43 +395,54 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._watch = loop.call_later(max(0.5, timeout / 4), self._watch_stalls)
         a = self.attempt
-        idle = time.monotonic() - self._progress_at
+        quiet = time.monotonic() - self._progress_at
         if a is None or self.life.phase is not lc.Phase.RUNNING or self.life.stalled:
             return
-        if idle >= timeout / 2:
-            self._spawn(self._sample(a, idle, timeout), None, a.number)
+        if quiet >= timeout / 2:
+            self._spawn(self._sample(a), None, a.number)
 
-    async def _sample(self, a: Attempt, idle: float, timeout: float) -> None:
+    async def _sample(self, a: Attempt) -> None:
+        """Sample the stacks of ``a``'s ranks, and where each is: a :class:`~.lifecycle.
+        Sampled` fact, unless a rank spoke meanwhile (the stacks may be of before it)."""
         from .._shared.protocol import Entry, call
 
+        since = self._progress_at
         try:
             answers = await self.plugin.client.run(
                 call, Entry.RANK_STACKS, self.job_id, workers=sorted(set(a.workers)),
                 on_error="return",
             )  # fmt: skip
-        except Exception as exc:  # a worker left meanwhile: no stall is decided on this one
+        except Exception as exc:  # a worker left meanwhile: this sample is none
             logger.info("dask-ddp job %s: could not sample its stacks: %s", self.job_id, exc)
             return
-        stacks = {
-            rank: text
+        if a is not self.attempt or self._progress_at != since:
+            return
+        stacks = sorted(
+            (rank, text)
             for found in answers.values()
             if isinstance(found, list)
             for rank, text in found
-        }
-        if a is not self.attempt or time.monotonic() - self._progress_at < idle:
-            return  # progress meanwhile
-        seen, self._stacks = self._stacks, stacks
-        if idle < timeout or seen != stacks or len(stacks) < len(a.workers):
-            return
+        )
         causes, where, waiting = [], [], []
-        for rank, text in sorted(stacks.items()):
+        for rank, text in stacks:
             in_collective, at = tracebacks.stuck_at(text, self.spec.sources)
             if in_collective:
                 waiting.append(rank)
             else:
                 causes.append(rank)
                 where.append(at)
-        self.feed(lc.Stalled(a.number, idle, tuple(causes), tuple(where), tuple(waiting)))
+        self.feed(
+            lc.Sampled(
+                a.number,
+                time.monotonic() - since,
+                since,
+                tuple(stacks),
+                complete=len(stacks) >= len(a.workers),
+                causes=tuple(causes),
+                where=tuple(where),
+                waiting=tuple(waiting),
+            )
+        )
 
     def _ask(self, number: int, want: int, need: int, *, waits: bool) -> None:
         """Ask the pool for workers for attempt ``number``: :class:`~.lifecycle.Offered`
@@ -489,7 +500,7 @@ class Supervisor:
         self.progress.place(attempt.workers)
         self.launcher.submit(attempt)
         # Clients hear of the placement before any of its ranks can say a word ...
-        self._progress_at, self._stacks = time.monotonic(), None
+        self._progress_at = time.monotonic()
         known = self.plugin.scheduler.workers
         hosts = len({known[w].host for w in attempt.workers if w in known})
         self.feed(lc.Placed(attempt.number, tuple(attempt.workers), tuple(attempt.keys), hosts))
