@@ -533,15 +533,21 @@ class Supervisor:
         self.feed(lc.AbortAnswered(action.attempt, frozenset(idle)))
 
     async def _restart(self, action: lc.RestartWorkers) -> None:
-        done, failed = await self.launcher.restart(
-            sorted(action.workers),
-            self.plugin.pool,
-            timeout=self.settings.rendezvous_timeout,
-        )
+        try:
+            done, failed = await self.launcher.restart(
+                sorted(action.workers),
+                self.plugin.pool,
+                timeout=self.settings.rendezvous_timeout,
+            )
+        except Exception as exc:  # none answered: step quarantines them all, never waits
+            done, failed = set(), set(action.workers)
+            logger.warning("dask-ddp job %s: restarting %s failed", self.job_id, failed)
+            why = f"could not restart {sorted(failed)}: {type(exc).__name__}: {exc}"
+        else:
+            why = f"could not restart {sorted(failed)}"
         if done:
             self.feed(lc.WorkersRestarted(frozenset(done)))
         if failed:
-            why = f"could not restart {sorted(failed)}"
             self.feed(
                 lc.ActionFailed(lc.ActionKind.RESTART, action.attempt, frozenset(failed), why=why)
             )
