@@ -40,7 +40,9 @@ def test_an_elastic_job_grows_to_its_most_on_an_adaptive_cluster(tmp_path: Path)
         client.wait_for_workers(1, timeout=60)
         cluster.adapt(minimum=1, maximum=3, interval="200ms")
         job = dask_ddp.launch(
-            client, counted, args=(400, 10, 0.05, True, (3, 20)), workers=3, min_workers=1,
+            # At most 2,400 steps (2 minutes): it ends 20 steps after it reached 3 ranks,
+            # however long the cluster took to start them.
+            client, counted, args=(2400, 10, 0.05, True, (3, 20)), workers=3, min_workers=1,
             checkpoint_dir=str(tmp_path),
         )  # fmt: skip
         results = job.result(timeout=240)
