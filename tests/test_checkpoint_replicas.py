@@ -330,6 +330,7 @@ def test_a_replica_arrives_whole_in_pieces_into_an_aligned_buffer(holder_and_rea
     assert kind != "Tensor" and got == data
 
 
+@pytest.mark.slow
 def test_a_replica_put_again_while_it_travels_is_never_mixed(holder_and_reader) -> None:
     client, holder, reader = holder_and_reader
     versions = [bytes([v]) * 400_000 for v in range(3)]

@@ -135,6 +135,7 @@ def test_exits_promptly_after_success_leaving_nothing(tmp_path: Path) -> None:
     _assert_group_empty(pgid)
 
 
+@pytest.mark.slow
 def test_the_command_s_processes_are_gone_when_it_exits() -> None:
     # A killed process with much memory takes a while to end (its pages are freed): the
     # command waits for that, as for its workers, template and ranks, before it exits.

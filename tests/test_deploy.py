@@ -369,6 +369,7 @@ def _kill_and_wait_for_return(client: Client, victim: str) -> None:
     poll_for(back, timeout=120, period=0.2)
 
 
+@pytest.mark.slow
 def test_a_finished_rank_never_runs_again_where_its_worker_comes_back() -> None:
     # Deployments often fix a worker's port (dask worker --worker-port, a pod that comes back
     # at its address): a worker restarted there is, to the scheduler, where a lost value may

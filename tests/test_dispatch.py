@@ -439,7 +439,7 @@ def _load_with_workers(context: str | None) -> list[int]:
     return sorted(int(v) for (batch,) in loader for v in batch)
 
 
-@pytest.mark.parametrize("context", [None, "fork", "spawn"])
+@pytest.mark.parametrize("context", [None, "fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_dataloader_workers_inside_a_daemonic_worker(client: Client, context: str | None) -> None:
     def daemonic() -> bool:  # the worker's flag is never lifted: its template forks the ranks
         return all(s["daemon"] for s in client.run(_worker_state).values())

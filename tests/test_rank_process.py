@@ -45,7 +45,9 @@ def stopping_cluster() -> Iterator[LocalCluster]:
         yield cluster
 
 
-@pytest.mark.parametrize("kind", ["spins", "blocked", "loader", "collective"])
+@pytest.mark.parametrize(
+    "kind", ["spins", pytest.param("blocked", marks=pytest.mark.slow), "loader", "collective"]
+)
 def test_a_stopped_rank_ends_its_process_tree_and_never_its_worker(
     stopping_cluster: LocalCluster, kind: str
 ) -> None:
@@ -141,6 +143,7 @@ def _pauses(seconds: float) -> int:
     return dist.get_rank()
 
 
+@pytest.mark.slow
 def test_a_stall_clears_when_progress_resumes(client: Client) -> None:
     job = dask_ddp.launch(client, _pauses, args=(4.0,), stall_timeout=1)
     assert job.result(timeout=60) == [0, 1]
@@ -454,6 +457,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_the_nanny_s_template_ends_when_the_last_nanny_holding_it_closes(tmp_path) -> None:
     # In a process of its own: the nannies of every cluster in a process share its template
     # (the suite's other clusters would hold this one's).
@@ -480,6 +484,7 @@ def test_a_nanny_s_template_that_died_is_started_again(own_cluster: LocalCluster
         assert psutil.Process(started.pop()).ppid() == os.getpid()
 
 
+@pytest.mark.slow
 def test_a_worker_without_a_nanny_forks_from_a_template_of_its_own() -> None:
     cluster = processes.DaskProcesses(0)
     try:

@@ -553,6 +553,7 @@ class _WithStats(ShardListDataset):
         return super().__getitem__(index), {**self.get_stats(), "frozen": gc.get_freeze_count()}
 
 
+@pytest.mark.slow
 def test_workers_download_the_next_shard_ahead(s3_endpoint, bucket, tmp_path, flaky_proxy):
     samples = [{"cls": i} for i in range(60)]
     write_shards(samples, f"s3://{bucket}/ahead", maxcount=10, endpoint_url=s3_endpoint)

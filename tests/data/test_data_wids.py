@@ -281,6 +281,7 @@ def test_bad_sample_names_shard_and_sample(tmp_path):
 # -- S3 that cannot be used at all ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_refused_endpoint_fails_fast_naming_it(tmp_path, monkeypatch):
     import time
 
