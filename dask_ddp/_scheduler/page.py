@@ -71,7 +71,7 @@ class Changes:
         self.count = 0
         self._gap = self._least_gap = gap
         self._share = share
-        self._woken = -gap  # time.monotonic() of the last wake
+        self._woken = -gap  # the loop's time of the last wake (its clock paces the wakes)
         self._due: asyncio.TimerHandle | None = None
         self._waiters: asyncio.Future[None] | None = None
 
@@ -80,11 +80,12 @@ class Changes:
         self.count += 1
         if self._waiters is None or self._due is not None:
             return  # no page waits, or a wake is already due and will show this too
-        wait = self._woken + self._gap - time.monotonic()
+        loop = asyncio.get_running_loop()
+        wait = self._woken + self._gap - loop.time()
         if wait <= 0:
             self._wake()
         else:
-            self._due = asyncio.get_running_loop().call_later(wait, self._wake)
+            self._due = loop.call_later(wait, self._wake)
 
     def drew(self, seconds: float) -> None:
         """A page took ``seconds`` to draw: the next wakes are that much over the share
@@ -93,7 +94,7 @@ class Changes:
 
     def _wake(self) -> None:
         self._due = None
-        self._woken = time.monotonic()
+        self._woken = asyncio.get_running_loop().time()
         waiters, self._waiters = self._waiters, None
         if waiters is not None and not waiters.done():
             waiters.set_result(None)
