@@ -116,6 +116,7 @@ class World:
         self.stopping_error: BaseException | None = None
         self.fired_after_cancel: list[lc.Timer] = []
         self.spoke_at = 0.0  # the ranks' last word (Sampled's quiet_since)
+        self.look_failed = False  # the pool raised at the job's last look for more workers
         self.moved = 0  # where the ranks' stacks are (a new frame: they moved)
 
     def new_name(self) -> str:
@@ -175,6 +176,7 @@ class World:
 
     def pool_changed(self) -> None:
         self.tell = self.pass_due = True
+        self.look_failed = False
 
     def ask(self, want: int, need: int, *, waits: bool) -> None:
         self.request, self.looked, self.pass_due = (want, need, waits), False, True
@@ -232,6 +234,7 @@ class World:
             if self.request is not None and self.request[2]:
                 raise InvariantBroken("a TakeMore while an Ask is pending")
             if self.rng.random() < 0.05:
+                self.look_failed = True  # the job looks again at the next change
                 self.queue.append(lc.ActionFailed(lc.ActionKind.TAKE_MORE, why="x"))
                 return
             self.ask(action.want, action.need, waits=False)
@@ -442,6 +445,7 @@ class World:
         elif pick == "client":
             self.queue.append(lc.ClientLeft() if rng.random() < 0.5 else lc.ClientAttached())
         self.run_queue()
+        self.check_grows()
         return True
 
     def cancel(self) -> None:
@@ -463,6 +467,20 @@ class World:
             placed = [a for a in actions if isinstance(a, lc.Place)]
             if placed and set(placed[0].workers) != life.held:
                 raise InvariantBroken(f"placed on {placed[0].workers}, holding {set(life.held)}")
+
+    def check_grows(self) -> None:
+        """Once nothing is due, an elastic job that runs below its most while a worker is
+        free is looking for it (a worker that joined while its attempt was placed too)."""
+        life = self.life
+        if self.queue or self.pass_due or self.request is not None or self.look_failed:
+            return
+        below = self.policy.elastic and len(life.held) < self.policy.max_workers
+        running = life.phase is lc.Phase.RUNNING and life.ending is None
+        if below and running and not life.grow_requested and self.free():
+            raise InvariantBroken(
+                f"runs on {len(life.held)} of at most {self.policy.max_workers} workers while "
+                f"{self.free()} are free, and looks for none"
+            )
 
     def check(self, before: lc.Life, fact: Any, actions: list[Any]) -> None:
         life = self.life

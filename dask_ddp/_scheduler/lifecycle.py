@@ -776,14 +776,8 @@ class _Step:
         life = self.life
         if life.phase is Phase.WAITING and life.wait is not None:
             self.waiting(fact.cluster)
-        elif (
-            life.phase is Phase.RUNNING
-            and self.policy.elastic
-            and life.ending is None
-            and not life.grow_requested
-            and len(life.held) < self.policy.max_workers
-        ):
-            self.actions.append(TakeMore(self.policy.max_workers, len(life.held) + 1))
+        else:
+            self.take_more()
 
     def on_Offered(self, fact: Offered) -> None:
         """The job takes the workers by holding them: a waiting job places its attempt on
@@ -832,6 +826,7 @@ class _Step:
         hosts = "host" if fact.hosts == 1 else "hosts"
         self.publish(JobState.RUNNING, f"{len(ranks)} ranks on {fact.hosts} {hosts}")
         self.evaluate()
+        self.take_more()  # workers that joined while it was placed were offered to nobody
 
     def on_RankStarted(self, fact: RankStarted) -> None:
         rank = self.rank(fact.attempt, fact.rank)
@@ -1350,6 +1345,20 @@ class _Step:
         if workers:
             self.set(held=self.life.held - workers)
             self.actions.append(Release(workers))
+
+    def take_more(self) -> None:
+        """Whether a job grows: an elastic job running below its most looks, once, for free
+        workers (when the cluster changed, and when an attempt starts running: a worker
+        that joined while it was placed is seen then, or never)."""
+        life = self.life
+        if (
+            life.phase is Phase.RUNNING
+            and self.policy.elastic
+            and life.ending is None
+            and not life.grow_requested
+            and len(life.held) < self.policy.max_workers
+        ):
+            self.actions.append(TakeMore(self.policy.max_workers, len(life.held) + 1))
 
     def demand(self) -> None:
         if self.policy.elastic:
