@@ -8,6 +8,7 @@ Tests that kill or restart workers start their own cluster instead.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import socket
@@ -16,14 +17,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import boto3
+import cloudpickle
+import leftovers as _leftovers
 import pytest
 import torch
 from distributed import Client, LocalCluster
-from leftovers import clean_up, leftovers
+from leftovers import clean_up, forget_ended, leftovers
 from moto.server import ThreadedMotoServer
 from processes import DaskProcesses, stacks
+
+# Its functions run on schedulers and workers of ``dask`` processes too, which cannot import
+# tests/: they travel by value.
+cloudpickle.register_pickle_by_value(_leftovers)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -34,6 +42,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "netns" in item.keywords and not is_root:
             item.add_marker(pytest.mark.skip(reason="needs root for ip netns"))
+    _longest_first(items)
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """The modules with the most ``slow`` tests first, each module's tests in their order.
+
+    pyproject's addopts run the suite in two pytest-xdist processes that each take the next
+    module when done (``--dist loadfile --no-loadscope-reorder``): the long modules start
+    first and the short ones fill the end (longest first), instead of a long module started
+    last by one process while the other has nothing left to run.
+    """
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    first: dict[Path, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (-slow[item.path], first[item.path]))
 
 
 def make_cluster(n_workers: int = 2) -> LocalCluster:
@@ -56,27 +80,36 @@ def client(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Cl
     with Client(cluster) as client:
         client.wait_for_workers(2, timeout="60s")
         yield client
-        # A worker whose event loop is blocked never answers: the test fails with where
-        # its threads are, while they are still there (the scheduler restarts a worker
-        # that missed its heartbeats for minutes, and its stacks go with it).
-        asking = concurrent.futures.ThreadPoolExecutor(1)
-        try:
-            left = asking.submit(leftovers, client).result(timeout=_ANSWER_WITHIN)
-        except concurrent.futures.TimeoutError:
-            pytest.fail(
-                f"{request.node.nodeid}: the shared cluster did not answer within "
-                f"{_ANSWER_WITHIN} s after the test; its workers' stacks:\n{stacks_of(cluster)}",
-                pytrace=False,
-            )
-        finally:
-            asking.shutdown(wait=False)
-        if left:
-            clean_up(client)
-            pytest.fail(
-                f"{request.node.nodeid} left the shared cluster unclean: {'; '.join(left)} "
-                "(cancel or wait for its jobs before it ends; the cluster was cleaned up)",
-                pytrace=False,
-            )
+        fail_if_left(client, request, "the shared cluster", lambda: stacks_of(cluster))
+
+
+def fail_if_left(
+    client: Client, request: pytest.FixtureRequest, what: str, where: Callable[[], str]
+) -> None:
+    """Fail the test if it left ``what`` (a shared cluster, ``client``'s) unclean, naming
+    what it left, after cleaning it up; ``where()``: its workers' stacks, for a cluster
+    that does not answer."""
+    # A worker whose event loop is blocked never answers: the test fails with where
+    # its threads are, while they are still there (the scheduler restarts a worker
+    # that missed its heartbeats for minutes, and its stacks go with it).
+    asking = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        left = asking.submit(leftovers, client).result(timeout=_ANSWER_WITHIN)
+    except concurrent.futures.TimeoutError:
+        pytest.fail(
+            f"{request.node.nodeid}: {what} did not answer within {_ANSWER_WITHIN} s after "
+            f"the test; its workers' stacks:\n{where()}",
+            pytrace=False,
+        )
+    finally:
+        asking.shutdown(wait=False)
+    if left:
+        clean_up(client)
+        pytest.fail(
+            f"{request.node.nodeid} left {what} unclean: {'; '.join(left)} "
+            "(cancel or wait for its jobs before it ends; the cluster was cleaned up)",
+            pytrace=False,
+        )
 
 
 _ANSWER_WITHIN = 90  # seconds: leftovers() takes at most 60 + 5 on a cluster that answers
@@ -120,14 +153,38 @@ def own_cluster() -> Iterator[LocalCluster]:
         yield cluster
 
 
-@pytest.fixture
-def dask_processes() -> Iterator[DaskProcesses]:
-    """A cluster of a ``dask scheduler`` process and two ``dask worker`` processes."""
+@pytest.fixture(scope="module")
+def _module_dask_processes() -> Iterator[DaskProcesses]:
     cluster = DaskProcesses(2)
     try:
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def dask_processes(
+    _module_dask_processes: DaskProcesses, request: pytest.FixtureRequest
+) -> Iterator[DaskProcesses]:
+    """A cluster of a ``dask scheduler`` process and two ``dask worker`` processes, one for
+    a module's tests. After each, the workers it added are stopped and the jobs that ended
+    forgotten (the next test lists only its own); a test that left a job running, a worker
+    held or a rank busy fails, naming it, as with ``client``."""
+    cluster = _module_dask_processes
+    workers = list(cluster.workers)
+    yield cluster
+    added, cluster.workers[:] = cluster.workers[len(workers) :], workers
+    for worker in added:
+        worker.stop()
+    with Client(cluster.address) as client:
+        deadline = time.monotonic() + 60
+        while len(client.scheduler_info(n_workers=-1)["workers"]) != len(workers):
+            assert time.monotonic() < deadline, "the workers a test added never left"
+            time.sleep(0.1)
+        try:
+            fail_if_left(client, request, "the module's dask processes", cluster.stacks)
+        finally:
+            forget_ended(client)
 
 
 CREDENTIALS = {

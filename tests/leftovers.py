@@ -1,7 +1,9 @@
-"""What a test left on the shared cluster (running jobs, held workers, busy rank
-processes), and how the ``client`` fixture cleans it up. A module of its own, not
-conftest: its functions run on the scheduler and the workers (``Client.run``), which must
-import them by a name no other module shares (the repository's root has a conftest too)."""
+"""What a test left on a shared cluster (running jobs, held workers, busy rank
+processes), and how the ``client`` and ``dask_processes`` fixtures clean it up. A module
+of its own, not conftest: its functions run on the scheduler and the workers
+(``Client.run``), sent by value (conftest registers it with cloudpickle) to ``dask``
+processes that cannot import tests/, by a name no other module shares (the repository's
+root has a conftest too) to a LocalCluster's scheduler in the test's own process."""
 
 from __future__ import annotations
 
@@ -66,3 +68,20 @@ def clean_up(client: Client) -> None:
             calls.cancel_job(client, job_id, "left running by a test")
     if leftovers(client):
         client.restart(wait_for_workers=True)
+
+
+def forget_ended(client: Client) -> None:
+    """Let the cluster forget the jobs that ended (``dask_ddp.jobs`` lists them until then):
+    a shared cluster's next test sees only its own."""
+    from dask_ddp._client import calls
+    from dask_ddp._shared.values import FINAL_STATES
+
+    if not client.run_on_scheduler(_has_plugin):
+        return  # no test used dask-ddp here: nothing to forget, and no plugin to install
+    for row in calls.list_jobs(client):
+        if row["state"] in FINAL_STATES:
+            calls.forget_job(client, row["job"])
+
+
+def _has_plugin(dask_scheduler: Any = None) -> bool:
+    return "dask-ddp" in dask_scheduler.plugins

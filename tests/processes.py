@@ -6,6 +6,7 @@ deployment starts them (:class:`DaskProcesses`). Test modules import it as ``pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 
+import psutil
 from distributed import Client
 
 
@@ -122,6 +124,16 @@ class DaskProcesses:
              "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0", *port, *args],
             self.env,
         )  # fmt: skip
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in the worker processes (each ``dask worker``'s
+        nanny runs its worker as a child), for a test that found them unresponsive."""
+        dumps = []
+        for worker in self.workers:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(worker.proc.pid).children():
+                    dumps.append(f"--- worker (pid {child.pid})\n{stacks(child.pid)}")
+        return "\n".join(dumps)
 
     def close(self) -> None:
         for worker in self.workers:

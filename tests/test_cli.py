@@ -227,11 +227,12 @@ def test_with_a_scheduler_exits_promptly_after_a_failure(
 @pytest.mark.slow
 @pytest.mark.parametrize("library", ["lightning", "accelerate"])
 def test_a_library_script_s_logged_metrics_reach_the_command_line(
-    library: str, tmp_path: Path
+    library: str, dask_processes: DaskProcesses, tmp_path: Path
 ) -> None:
     """The Lightning and accelerate scripts of the integration tests, unchanged but for the
-    one line, run with `python -m dask_ddp`; their logged metrics reach the job, whose last
-    values the command prints when it ends."""
+    one line, run with `python -m dask_ddp` (on the module's cluster: what is checked is
+    the command's output); their logged metrics reach the job, whose last values the
+    command prints when it ends."""
     pytest.importorskip(library)
     if library == "lightning":
         from test_lightning import LIGHTNING_SCRIPT as source
@@ -239,7 +240,7 @@ def test_a_library_script_s_logged_metrics_reach_the_command_line(
         from test_accelerate import ACCELERATE_SCRIPT as source
     script = tmp_path / f"train_{library}.py"
     script.write_text(source)
-    result, _, _ = _cli(str(script))
+    result, _, _ = _cli("--scheduler", dask_processes.address, str(script))
     assert result.returncode == 0, result.stderr
     summary = [line for line in result.stderr.splitlines() if " reports; last: " in line]
     assert len(summary) == 1 and "train_loss" in summary[0], result.stderr
