@@ -26,7 +26,7 @@ nox.options.reuse_venv = "yes"
 def smoke(session: nox.Session) -> None:
     session.install("-e", ".[smoke]", "-c", "constraints.txt")
     session.run(
-        "pytest", "-m", "smoke", "-p", "no:cacheprovider", *(session.posargs or SMOKE)
+        "pytest", "-m", "smoke", "-p", "no:cacheprovider", "-n", "0", *(session.posargs or SMOKE)
     )  # fmt: skip
 
 

@@ -451,6 +451,9 @@ def after_section(args: Any, report: Report, client: Any, a: str) -> None:
 
 def run_pytest(args: Any, report: Report, left: float) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-m", "gpu"]
+    # One process, whatever pyproject's addopts say (two pytest-xdist processes would share
+    # the GPUs, and a machine without the test extra lacks pytest-xdist).
+    command += ["-o", "addopts=--strict-markers"]
     # tests/conftest.py imports the S3 test servers' packages, which test_gpu.py does not
     # need; without them, run it alone (on the CPU, conftest is what skips it).
     if not args.cpu_smoke and not all(importlib.util.find_spec(m) for m in ("boto3", "moto")):
