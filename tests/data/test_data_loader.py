@@ -143,7 +143,9 @@ async def _collect() -> None:
 def _read_and_collect(ds: FileDataset) -> None:
     loop = fsspec.asyn.get_loop()  # this process's IO loop, new after the fork
     errors: list[str] = []
-    loop.set_exception_handler(lambda _, context: errors.append(context["message"]))
+    loop.set_exception_handler(
+        lambda _, context: errors.append(f"{context['message']}: {context.get('exception')!r}")
+    )
     ds[1]
     # A collection on fsspec's IO thread, as happens mid-read: it would finalize the
     # clients inherited from the parent there, on this process's event loop.
