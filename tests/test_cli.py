@@ -200,28 +200,26 @@ def test_exits_promptly_after_a_failure_with_a_stuck_peer(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_with_a_scheduler_exits_promptly_after_a_failure(
-    own_cluster: object, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    client: Client, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_PEER)
-    with Client(own_cluster) as client:
-        client.wait_for_workers(2, timeout="60s")
-        address = client.scheduler.address
-        pids = client.run(os.getpid)
-        # On a shared cluster the command leaves it clean: the stuck rank's process is
-        # stopped (SIGTERM: its sleep ends at once) and its worker is left alone.
-        grace = 1.0
-        with caplog.at_level(logging.WARNING, logger="dask_ddp"):  # the scheduler's log
-            failed, ended, pgid = _cli(
-                "--scheduler", address, str(script), env={"DASK_DDP__FAILURE_GRACE": f"{grace}s"}
-            )
-        assert failed.returncode == 1, failed.stderr[-3000:]
-        assert "rank 1 broke on purpose" in failed.stderr
-        (failing,) = _stamp(failed.stdout, "FAILING")
-        assert "restarting those workers" not in caplog.text
-        assert ended - failing < grace + EXIT_LIMIT, (ended - failing, failed.stderr[-3000:])
-        _assert_group_empty(pgid)
-        assert client.run(os.getpid) == pids  # no worker was restarted
+    address = client.scheduler.address
+    pids = client.run(os.getpid)
+    # On a shared cluster the command leaves it clean: the stuck rank's process is
+    # stopped (SIGTERM: its sleep ends at once) and its worker is left alone.
+    grace = 1.0
+    with caplog.at_level(logging.WARNING, logger="dask_ddp"):  # the scheduler's log
+        failed, ended, pgid = _cli(
+            "--scheduler", address, str(script), env={"DASK_DDP__FAILURE_GRACE": f"{grace}s"}
+        )
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "rank 1 broke on purpose" in failed.stderr
+    (failing,) = _stamp(failed.stdout, "FAILING")
+    assert "restarting those workers" not in caplog.text
+    assert ended - failing < grace + EXIT_LIMIT, (ended - failing, failed.stderr[-3000:])
+    _assert_group_empty(pgid)
+    assert client.run(os.getpid) == pids  # no worker was restarted
 
 
 @pytest.mark.slow

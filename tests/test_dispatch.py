@@ -213,49 +213,44 @@ def _fail_at_step(bad_rank: int, fail_step: int) -> int:
 
 
 @pytest.mark.slow
-def test_failing_rank_fails_the_job_fast(own_cluster) -> None:
-    with Client(own_cluster) as client:
-        client.wait_for_workers(2, timeout="60s")
-        job = dask_ddp.launch(client, _fail_at_step, args=(1, 5))
-        with pytest.raises(dask_ddp.RankFailedError) as info:
-            job.result(timeout=60)
-        err = info.value
-        assert err.rank == 1 and err.worker == job.workers[1] and err.key == job.futures[1].key
-        assert "bad batch at step 5" in str(err)
-        assert "_fail_at_step" in err.rank_traceback  # the rank's own frames
-        assert "_rank/tasks.py" not in err.rank_traceback  # not ours, nor distributed's
-        assert "distributed" not in err.rank_traceback
-        assert "^^^" not in err.rank_traceback  # columns do not survive the trip
-        assert err.rank_traceback.startswith("Traceback (most recent call last):")
-        assert isinstance(err.__cause__, ValueError)
-        # result() raised once the failure was decided; the job ends once its workers are free.
-        assert job.wait_stopped(60)
-        assert job.state == dask_ddp.JobState.FAILED
-        # The same cluster runs the next job.
-        client.wait_for_workers(2, timeout="60s")
-        assert (
-            dask_ddp.launch(client, _seen_by_rank, args=("after",)).result(timeout=120)[1]["sum"]
-            == 3.0
-        )
+def test_failing_rank_fails_the_job_fast(client: Client) -> None:
+    job = dask_ddp.launch(client, _fail_at_step, args=(1, 5))
+    with pytest.raises(dask_ddp.RankFailedError) as info:
+        job.result(timeout=60)
+    err = info.value
+    assert err.rank == 1 and err.worker == job.workers[1] and err.key == job.futures[1].key
+    assert "bad batch at step 5" in str(err)
+    assert "_fail_at_step" in err.rank_traceback  # the rank's own frames
+    assert "_rank/tasks.py" not in err.rank_traceback  # not ours, nor distributed's
+    assert "distributed" not in err.rank_traceback
+    assert "^^^" not in err.rank_traceback  # columns do not survive the trip
+    assert err.rank_traceback.startswith("Traceback (most recent call last):")
+    assert isinstance(err.__cause__, ValueError)
+    # result() raised once the failure was decided; the job ends once its workers are free.
+    assert job.wait_stopped(60)
+    assert job.state == dask_ddp.JobState.FAILED
+    # The same cluster runs the next job.
+    client.wait_for_workers(2, timeout="60s")
+    assert (
+        dask_ddp.launch(client, _seen_by_rank, args=("after",)).result(timeout=120)[1]["sum"] == 3.0
+    )
 
 
 @pytest.mark.slow
-def test_gathering_the_drop_in_futures_shows_the_failing_ranks_error(own_cluster) -> None:
+def test_gathering_the_drop_in_futures_shows_the_failing_ranks_error(client: Client) -> None:
     # dask-pytorch-ddp's users gather the futures in rank order: rank 0's future, stopped
     # by rank 1's failure, must carry rank 1's error, not only "connection closed".
-    with Client(own_cluster) as client:
-        client.wait_for_workers(2, timeout="60s")
-        futures = dask_ddp.dispatch.run(client, _fail_at_step, 1, 5)
-        with pytest.raises(Exception, match="bad batch at step 5"):
-            client.gather(futures)  # whichever future raises first
-        stopped = futures[0].exception(timeout=60)
-        assert isinstance(stopped, dask_ddp.RankStoppedError)
-        assert (stopped.rank, stopped.failed_rank) == (0, 1)
-        assert stopped.reason == "ValueError: bad batch at step 5"
-        assert str(stopped).startswith(
-            "rank 0 stopped because rank 1 failed first (ValueError: bad batch at step 5)"
-        )
-        assert isinstance(futures[1].exception(timeout=60), ValueError)
+    futures = dask_ddp.dispatch.run(client, _fail_at_step, 1, 5)
+    with pytest.raises(Exception, match="bad batch at step 5"):
+        client.gather(futures)  # whichever future raises first
+    stopped = futures[0].exception(timeout=60)
+    assert isinstance(stopped, dask_ddp.RankStoppedError)
+    assert (stopped.rank, stopped.failed_rank) == (0, 1)
+    assert stopped.reason == "ValueError: bad batch at step 5"
+    assert str(stopped).startswith(
+        "rank 0 stopped because rank 1 failed first (ValueError: bad batch at step 5)"
+    )
+    assert isinstance(futures[1].exception(timeout=60), ValueError)
 
 
 def _spin_forever() -> None:
@@ -521,7 +516,7 @@ def test_submodules_after_a_bare_import() -> None:
 
 
 @pytest.mark.slow
-def test_every_rank_future_of_a_failed_job_says_why(own_cluster, tmp_path) -> None:
+def test_every_rank_future_of_a_failed_job_says_why(client: Client, tmp_path) -> None:
     # dask-pytorch-ddp's pattern: wait, then read each future (or process the results with
     # raise_errors=False first). Each says why, however and whenever it is read: never a
     # bare "cancelled for reason: unknown".
@@ -529,29 +524,28 @@ def test_every_rank_future_of_a_failed_job_says_why(own_cluster, tmp_path) -> No
 
     from dask_ddp.results import DaskResultsHandler
 
-    with Client(own_cluster) as client:
-        client.wait_for_workers(2, timeout="60s")
-        futures = dask_ddp.dispatch.run(client, _fail_at_step, 1, 5)
-        wait(futures, timeout=60)
-        DaskResultsHandler("unused").process_results(tmp_path, futures, raise_errors=False)
-        (job,) = [dask_ddp.attach(client, j.job_id) for j in dask_ddp.jobs(client)[:1]]
-        assert job.wait_stopped(timeout=60)  # the ranks are stopped, the workers freed
+    client.wait_for_workers(2, timeout="60s")
+    futures = dask_ddp.dispatch.run(client, _fail_at_step, 1, 5)
+    wait(futures, timeout=60)
+    DaskResultsHandler("unused").process_results(tmp_path, futures, raise_errors=False)
+    (job,) = [dask_ddp.attach(client, j.job_id) for j in dask_ddp.jobs(client)[:1]]
+    assert job.wait_stopped(timeout=60)  # the ranks are stopped, the workers freed
 
-        def kinds(errors: Any) -> list[str]:
-            return sorted(type(e).__name__ for e in errors)
+    def kinds(errors: Any) -> list[str]:
+        return sorted(type(e).__name__ for e in errors)
 
-        expected = ["RankStoppedError", "ValueError"]
-        assert kinds(f.exception(timeout=10) for f in futures) == expected
-        assert kinds(f.exception() for f in as_completed(futures)) == expected
-        stopped, failed = futures[0].exception(), futures[1].exception()
-        assert isinstance(failed, ValueError) and "bad batch at step 5" in str(failed)
-        assert isinstance(stopped, dask_ddp.RankStoppedError) and stopped.failed_rank == 1
-        with pytest.raises((ValueError, dask_ddp.RankStoppedError), match="bad batch at step 5"):
-            client.gather(futures)  # the first future in the list that failed
-        with pytest.raises(dask_ddp.RankStoppedError, match="rank 1 failed first"):
-            futures[0].result()
-        with pytest.raises(ValueError, match="bad batch at step 5"):
-            futures[1].result()
+    expected = ["RankStoppedError", "ValueError"]
+    assert kinds(f.exception(timeout=10) for f in futures) == expected
+    assert kinds(f.exception() for f in as_completed(futures)) == expected
+    stopped, failed = futures[0].exception(), futures[1].exception()
+    assert isinstance(failed, ValueError) and "bad batch at step 5" in str(failed)
+    assert isinstance(stopped, dask_ddp.RankStoppedError) and stopped.failed_rank == 1
+    with pytest.raises((ValueError, dask_ddp.RankStoppedError), match="bad batch at step 5"):
+        client.gather(futures)  # the first future in the list that failed
+    with pytest.raises(dask_ddp.RankStoppedError, match="rank 1 failed first"):
+        futures[0].result()
+    with pytest.raises(ValueError, match="bad batch at step 5"):
+        futures[1].result()
 
 
 def _as_after_a_failed_init() -> int:
