@@ -8,7 +8,6 @@ Tests that kill or restart workers start their own cluster instead.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import os
 import socket
@@ -17,7 +16,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import boto3
 import cloudpickle
@@ -42,22 +40,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "netns" in item.keywords and not is_root:
             item.add_marker(pytest.mark.skip(reason="needs root for ip netns"))
-    _longest_first(items)
-
-
-def _longest_first(items: list[pytest.Item]) -> None:
-    """The modules with the most ``slow`` tests first, each module's tests in their order.
-
-    pyproject's addopts run the suite in two pytest-xdist processes that each take the next
-    module when done (``--dist loadfile --no-loadscope-reorder``): the long modules start
-    first and the short ones fill the end (longest first), instead of a long module started
-    last by one process while the other has nothing left to run.
-    """
-    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
-    first: dict[Path, int] = {}
-    for i, item in enumerate(items):
-        first.setdefault(item.path, i)
-    items.sort(key=lambda item: (-slow[item.path], first[item.path]))
 
 
 def make_cluster(n_workers: int = 2) -> LocalCluster:
