@@ -1,8 +1,8 @@
 """fsspec clients for the datasets: one per process, fork-safe, with shared botocore data.
 
 s3fs/boto clients are not fork-safe, so each dataset creates its client lazily in each
-process (:func:`new_filesystem`); this module keeps every client it made, so that a forked
-child never finalizes its parent's. It also turns the datasets' URL and options into an
+process (:func:`new_filesystem`); this module keeps every client it made, and those of
+fsspec's instance caches, so that a forked child never finalizes its parent's. It also turns the datasets' URL and options into an
 fsspec protocol and ``storage_options`` (:func:`filesystem_options`), reads many files
 concurrently on fsspec's loop (:func:`cat_concurrently`), and explains a missing prefix.
 """
@@ -33,15 +33,42 @@ logger = logging.getLogger(__name__)
 # Keyed by id(): filesystems compare equal when their options are equal.
 _CLIENTS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _INHERITED_CLIENTS: list[Any] = []
+_FORKING: list[Any] = []  # the clients a child will inherit, between fork's two halves
 
 
-def _keep_inherited_clients() -> None:
-    _INHERITED_CLIENTS.extend(_CLIENTS.values())
+def _before_fork() -> None:
+    """In the parent, just before a fork: every client the child inherits, ours and those
+    of fsspec's instance caches (a checkpoint's ``url_to_fs``, the user's ``fsspec.open``).
+    fsspec empties those caches in the child (its own fork handler, which runs first), and
+    there the clients would lose their last reference and be finalized on the child's loop;
+    taken now, they are in the child's copy of this list."""
+    _FORKING.extend(_CLIENTS.values())
+    for cls in _subclasses(fsspec.asyn.AsyncFileSystem):
+        _FORKING.extend(getattr(cls, "_cache", {}).values())
+
+
+def _after_fork_in_parent() -> None:
+    _FORKING.clear()
+
+
+def _after_fork_in_child() -> None:
+    _INHERITED_CLIENTS.extend(_FORKING)
+    _FORKING.clear()
     _CLIENTS.clear()
 
 
+def _subclasses(cls: type) -> Iterator[type]:
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from _subclasses(sub)
+
+
 if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=_keep_inherited_clients)
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 # botocore's parsed data files (the S3 service model, endpoint rules, partitions), by
 # data path. A new botocore session loads and parses them again: about 60 ms of CPU per

@@ -160,6 +160,11 @@ def test_clients_inherited_through_fork_are_not_closed_in_the_child(s3_client, b
     for i in range(3):
         s3_client.put_object(Bucket=bucket, Key=f"f/{i}", Body=bytes([i]))
     proxy = flaky_proxy()  # keeps connections open, as a real store does
+    # A client the process made by itself (a checkpoint's url_to_fs): fsspec's instance
+    # cache holds it, and clears that cache at the first filesystem made in the child.
+    cached = fsspec.filesystem("s3", endpoint_url=proxy.url)
+    assert cached.ls(bucket)  # its session opened, on this process's loop
+    del cached
     dropped = FileDataset(f"s3://{bucket}/f", endpoint_url=proxy.url)
     dropped[0]
     del dropped  # its client sits in a reference cycle: the child's collector may find it
