@@ -2,9 +2,10 @@
 
 s3fs/boto clients are not fork-safe, so each dataset creates its client lazily in each
 process (:func:`new_filesystem`); this module keeps every client it made, and those of
-fsspec's instance caches, so that a forked child never finalizes its parent's. It also turns the datasets' URL and options into an
-fsspec protocol and ``storage_options`` (:func:`filesystem_options`), reads many files
-concurrently on fsspec's loop (:func:`cat_concurrently`), and explains a missing prefix.
+fsspec's instance caches, so that a forked child never finalizes its parent's. It also
+turns the datasets' URL and options into an fsspec protocol and ``storage_options``
+(:func:`filesystem_options`), reads many files concurrently on fsspec's loop
+(:func:`cat_concurrently`), and explains a missing prefix.
 """
 
 from __future__ import annotations
