@@ -160,8 +160,11 @@ def dask_processes(
         worker.stop()
     with Client(cluster.address) as client:
         deadline = time.monotonic() + 60
-        while len(client.scheduler_info(n_workers=-1)["workers"]) != len(workers):
-            assert time.monotonic() < deadline, "the workers a test added never left"
+        while (n := len(client.scheduler_info(n_workers=-1)["workers"])) != len(workers):
+            assert time.monotonic() < deadline, (
+                f"{request.node.nodeid}: the module's dask processes have {n} workers a minute "
+                f"after it, not the {len(workers)} they had before it"
+            )
             time.sleep(0.1)
         try:
             fail_if_left(client, request, "the module's dask processes", cluster.stacks)
