@@ -524,7 +524,6 @@ def test_every_rank_future_of_a_failed_job_says_why(client: Client, tmp_path) ->
 
     from dask_ddp.results import DaskResultsHandler
 
-    client.wait_for_workers(2, timeout="60s")
     futures = dask_ddp.dispatch.run(client, _fail_at_step, 1, 5)
     wait(futures, timeout=60)
     DaskResultsHandler("unused").process_results(tmp_path, futures, raise_errors=False)
