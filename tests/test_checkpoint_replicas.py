@@ -19,7 +19,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_ddp
-from dask_ddp._rank import checkpoint
+from dask_ddp._rank import checkpoint, replicas
 
 STEPS, EVERY = 12, 3  # checkpoints at steps 2, 5, 8, 11
 
@@ -346,3 +346,43 @@ def test_a_replica_put_again_while_it_travels_is_never_mixed(holder_and_reader) 
         seen.append(got)
     assert putting.result() > 10
     assert all(got is None or got in versions for got in seen), "pieces of two puts mixed"
+
+
+def _saves_past_a_lost_holder(directory: str, go: str) -> list[float]:
+    """Ten checkpoints of a small state; after the third, waits for ``go`` (the test kills
+    the replica's holder meanwhile); how long each later save took to be durable."""
+    took = []
+    for step in range(10):
+        started = time.monotonic()
+        dask_ddp.save_checkpoint({"w": torch.full((1024,), float(step))}, step=step).wait()
+        took.append(time.monotonic() - started)
+        dask_ddp.report({"step": step}, step=step)
+        while step == 2 and not os.path.exists(go):
+            time.sleep(0.05)
+    return took[3:]
+
+
+@pytest.mark.slow
+def test_a_lost_replica_holder_holds_no_later_save(killing_cluster: LocalCluster, tmp_path) -> None:
+    # A one-rank job keeps its replicas on the other worker. That worker dies: the next
+    # save's replica finds no holder within the reservation's timeout, and the saves after
+    # it put none (each put to the gone worker held its save for distributed's connect
+    # timeout, 30 s, and the job's end for as long).
+    go = tmp_path / "go"
+    with Client(killing_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        rank_worker, holder = sorted(client.scheduler_info()["workers"])
+        job = dask_ddp.launch(
+            client, _saves_past_a_lost_holder, args=(str(tmp_path / "ckpt"), str(go)),
+            workers=[rank_worker], checkpoint_dir=str(tmp_path / "ckpt"),
+        )  # fmt: skip
+        for record in job.iter_metrics(timeout=60):
+            if record.step == 2:
+                break
+        pid = client.run(os.getpid, workers=[holder])[holder]
+        os.kill(pid, signal.SIGKILL)
+        go.touch()
+        took = job.result(timeout=60)[0]
+        assert [c.step for c in job.checkpoints][-1] == 9
+        assert sum(took) < replicas.RESERVE_TIMEOUT + 5, took  # one reservation's wait
+        assert sorted(took)[-2] < 2, took  # only one save waited: no later one tried again

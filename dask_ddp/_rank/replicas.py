@@ -251,6 +251,10 @@ def held_for(job: str, dask_worker: Any = None) -> list[tuple[int, int | None, i
     ]
 
 
+#: Seconds a holder has to answer a replica's reservation before the put counts as failed.
+RESERVE_TIMEOUT = 5.0
+
+
 class PeerLink:
     """A rank's way to the replica stores: its own holder's, and any other's on restore.
 
@@ -271,10 +275,11 @@ class PeerLink:
     ) -> None:
         self.worker, self.job, self.timeout, self.piece = worker, job, timeout, piece
 
-    def _call(self, holder: str, **kwargs: Any) -> dict[str, Any]:
+    def _call(self, holder: str, timeout: float | None = None, **kwargs: Any) -> dict[str, Any]:
         if holder == self.worker.address:  # this process's own store: no connection
             return _handle(self.worker, remote=False, **kwargs)
-        return dask_internals.call_peer(self.worker, holder, _HANDLER, self.timeout, **kwargs)
+        within = self.timeout if timeout is None else min(timeout, self.timeout)
+        return dask_internals.call_peer(self.worker, holder, _HANDLER, within, **kwargs)
 
     def put(
         self,
@@ -290,7 +295,12 @@ class PeerLink:
 
         local = holder == self.worker.address
         key = {"job": self.job, "writer": writer, "world_size": world_size}
-        reply = self._call(holder, action="reserve", nbytes=len(data), fraction=fraction, **key)
+        # The reservation is small: a holder that does not answer it soon has left (a
+        # connection to a gone worker is tried again until distributed's connect timeout,
+        # 30 s, while the rank's next save waits).
+        reply = self._call(
+            holder, RESERVE_TIMEOUT, action="reserve", nbytes=len(data), fraction=fraction, **key
+        )
         if reply.get("status") != "OK":
             return str(reply.get("why") or reply)
         sent = data if local else to_serialize(data)

@@ -412,6 +412,9 @@ class Saver:
         self._durable: int | None = None  # the step of the newest checkpoint written
         self._warned_memory = False
         self._replica_said = False
+        # A holder that did not answer (it left the cluster): no more puts to it in this
+        # attempt, each of which would hold the next save for the connection's timeout.
+        self._unreachable: set[str] = set()
 
     # -- the training path -------------------------------------------------------------
     def save(
@@ -696,7 +699,7 @@ class Saver:
     def _replicate(self, write: _Write, data: memoryview) -> None:
         """Keep the checkpoint's bytes in the holder's memory too, and say so."""
         holder = self.settings.replica_holder
-        if self._peer is None or holder is None:
+        if self._peer is None or holder is None or holder in self._unreachable:
             return
         writer = self.rank if write.world_size is not None else 0
         try:
@@ -705,6 +708,7 @@ class Saver:
             )
         except Exception as exc:  # best effort: the holder left, or refused; the store copy stays
             why = f"{type(exc).__name__}: {exc}"
+            self._unreachable.add(holder)
         if why is None:
             self._say(REPLICA, [write.step, holder, write.world_size, len(data)])
         elif not self._replica_said:
