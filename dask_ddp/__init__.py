@@ -13,6 +13,7 @@ from typing import Any as _Any
 from ._shared.version import __version__
 
 if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load on use
+    from ._client.attach import attach
     from ._client.job import (
         Job,
         JobInfo,
@@ -20,10 +21,10 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         MetricRecord,
         OutputLine,
         Transition,
-        attach,
         jobs,
     )
     from ._client.launch import launch, launch_script, run
+    from ._client.sweep import Sweep, sweep
     from ._rank.checkpoint import CheckpointInfo, PendingCheckpoint
     from ._rank.context import (
         RankContext,
@@ -33,6 +34,7 @@ if _TYPE_CHECKING:  # what a type checker and an IDE see; at run time names load
         report,
         save_checkpoint,
     )
+    from ._shared.values import TrialInfo
     from .errors import (
         DaskDDPError,
         InfrastructureError,
@@ -77,9 +79,12 @@ _WHERE = {
     "MetricRecord": "_client.job",
     "OutputLine": "_client.job",
     "Transition": "_client.job",
-    "attach": "_client.job",
+    "attach": "_client.attach",
     "jobs": "_client.job",
     "DaskResultsHandler": "results",
+    "Sweep": "_client.sweep",
+    "sweep": "_client.sweep",
+    "TrialInfo": "_shared.values",
 }
 
 
@@ -129,7 +134,9 @@ __all__ = [
     "RankStoppedError",
     "RetryableError",
     "ScaleTimeoutError",
+    "Sweep",
     "Transition",
+    "TrialInfo",
     "WorkerLostError",
     "__version__",
     "attach",
@@ -142,4 +149,5 @@ __all__ = [
     "report",
     "run",
     "save_checkpoint",
+    "sweep",
 ]

@@ -622,6 +622,56 @@ class JobNameTakenError(DaskDDPError, ValueError):
         )
 
 
+class SweepParamsError(DaskDDPError, RuntimeError):
+    """A sweep's ``params(trial)`` raised, or returned something other than a dict of
+    keyword arguments: the sweep stops (its running trials are cancelled), since every
+    trial would meet the same.
+
+    Examples
+    --------
+    >>> print(SweepParamsError("5e1d", 3, "KeyError: 'lr'"))  # doctest: +ELLIPSIS
+    sweep 5e1d: params(trial) failed for trial 3: KeyError: 'lr'. ...
+    """
+
+    def __init__(self, sweep: str, trial: int, cause: str) -> None:
+        super().__init__(sweep, trial, cause)
+        self.sweep, self.trial, self.cause = sweep, trial, cause
+
+    def __str__(self) -> str:
+        return (
+            f"sweep {self.sweep}: params(trial) failed for trial {self.trial}: {self.cause}. "
+            "It runs on the scheduler, once per trial, and must return the training "
+            "function's keyword arguments as a dict (trial.suggest_float(...) and the like); "
+            "call it on a trial of your own (study.ask()) to see it fail."
+        )
+
+
+class SweepStudyError(DaskDDPError, RuntimeError):
+    """The scheduler could not take a sweep's study: it did not unpickle there (Optuna, or
+    a module the study's sampler or ``params`` needs, is not installed where the scheduler
+    runs), or asking it for a trial failed.
+
+    Examples
+    --------
+    >>> print(SweepStudyError("5e1d", "ModuleNotFoundError: No module named 'optuna'"))
+    ... # doctest: +ELLIPSIS
+    sweep 5e1d: the scheduler could not take its study: ModuleNotFoundError: ...
+    """
+
+    def __init__(self, sweep: str, cause: str) -> None:
+        super().__init__(sweep, cause)
+        self.sweep, self.cause = sweep, cause
+
+    def __str__(self) -> str:
+        return (
+            f"sweep {self.sweep}: the scheduler could not take its study: {self.cause}. The "
+            "study and params() run on the scheduler: install optuna (pip install "
+            "'dask-ddp[sweep]') and what params() imports where the scheduler runs, and give "
+            "the study a storage the scheduler reaches (in memory, a JournalStorage file it "
+            "sees, an RDB URL it connects to)."
+        )
+
+
 class NotInRankError(DaskDDPError, RuntimeError):
     """A rank-only function was called outside a dask_ddp rank.
 

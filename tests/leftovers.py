@@ -1,4 +1,4 @@
-"""What a test left on a shared cluster (running jobs, held workers, busy rank
+"""What a test left on a shared cluster (running sweeps and jobs, held workers, busy rank
 processes), and how the ``client`` and ``dask_processes`` fixtures clean it up. A module
 of its own, not conftest: its functions run on the scheduler and the workers
 (``Client.run``), sent by value (conftest registers it with cloudpickle) to ``dask``
@@ -21,7 +21,12 @@ async def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
 
     plugin = dask_scheduler.plugins.get("dask-ddp")
     if plugin is None or plugin.pool is None:
-        return {"held": {}, "jobs": []}
+        return {"held": {}, "jobs": [], "sweeps": []}
+    sweeps = [
+        [sweep.sweep_id, sweep.spec.name, sweep.state]
+        for sweep in plugin.sweeps.values()
+        if not sweep.final
+    ]
     ending = [
         job.until(lambda job=job: job.closed)
         for job in plugin.jobs.values()
@@ -34,7 +39,7 @@ async def _held_and_running(dask_scheduler: Any = None) -> dict[str, Any]:
         for job in plugin.jobs.values()
         if not job.closed
     ]
-    return {"held": plugin.pool.holders(), "jobs": jobs}
+    return {"held": plugin.pool.holders(), "jobs": jobs, "sweeps": sweeps}
 
 
 def _busy_rank(seconds: float) -> str | None:
@@ -50,6 +55,8 @@ def leftovers(client: Client) -> list[str]:
     """What a test left on the shared cluster: running jobs, held workers, busy ranks."""
     left = []
     state = client.run_on_scheduler(_held_and_running)
+    for sweep_id, name, sweep_state in state["sweeps"]:
+        left.append(f"sweep {sweep_id} ({name}) still {sweep_state}")
     for job_id, name, job_state in state["jobs"]:
         left.append(f"job {job_id} ({name}) still {job_state}")
     for worker, holder in state["held"].items():
@@ -63,7 +70,11 @@ def leftovers(client: Client) -> list[str]:
 def clean_up(client: Client) -> None:
     from dask_ddp._client import calls
 
-    for job_id, _, _ in client.run_on_scheduler(_held_and_running)["jobs"]:
+    state = client.run_on_scheduler(_held_and_running)
+    for sweep_id, _, _ in state["sweeps"]:
+        with contextlib.suppress(Exception):
+            calls.cancel_sweep(client, sweep_id, "left running by a test")
+    for job_id, _, _ in state["jobs"]:
         with contextlib.suppress(Exception):
             calls.cancel_job(client, job_id, "left running by a test")
     if leftovers(client):

@@ -1,5 +1,5 @@
-"""A client's calls into dask-ddp's scheduler plugin: install it, hand it a job, cancel,
-attach, list, forget.
+"""A client's calls into dask-ddp's scheduler plugin: install it, hand it a job or a sweep,
+cancel, attach, list, forget.
 
 The client never imports the scheduler's code. It installs the plugin by running
 :data:`~dask_ddp._shared.protocol.Entry.INSTALL_PLUGIN` on the scheduler by name (a scheduler
@@ -21,7 +21,7 @@ from distributed import Client
 
 from .._shared import dask_internals
 from .._shared.protocol import HANDLERS, Entry, acall, order_mark
-from .._shared.values import JobSpec
+from .._shared.values import JobSpec, SweepSpec
 from ..errors import SchedulerPluginError, from_wire
 
 _installed: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
@@ -98,10 +98,31 @@ def cancel_job(client: Client, job_id: str, reason: str) -> None:
     _ask(client, "cancel", job=job_id, reason=reason)
 
 
-def attach_job(client: Client, job: str) -> dict[str, Any]:
-    """Follow a job (by id or name): its state, summary and checkpoints so far."""
+def attach(client: Client, job: str) -> dict[str, Any]:
+    """Follow a sweep or a job (by id or name): ``{"sweep": its state}``, or ``{"state":
+    the job's state, summary and checkpoints so far}``."""
     install(client)
-    return _ask(client, "attach", job=job, client=client.id)["state"]
+    return _ask(client, "attach", job=job, client=client.id)
+
+
+def submit_sweep(client: Client, spec: SweepSpec) -> dict[str, Any]:
+    """Hand ``spec`` to the cluster; the sweep's state once its first trial runs or waits."""
+    install(client)
+    return _ask(client, "sweep", spec=dask_internals.pickled(spec))["state"]
+
+
+def cancel_sweep(client: Client, sweep: str, reason: str) -> dict[str, Any]:
+    """Cancel a sweep; its state once its trials stopped."""
+    install(client)
+    return _ask(client, "sweep_cancel", sweep=sweep, reason=reason)["state"]
+
+
+def sweep_trials(client: Client, sweep: str) -> list[Any]:
+    """The sweep's study's trials (Optuna's ``FrozenTrial``), by number."""
+    import cloudpickle
+
+    install(client)
+    return list(cloudpickle.loads(_ask(client, "sweep_trials", sweep=sweep)["trials"]))
 
 
 def list_jobs(client: Client) -> list[dict[str, Any]]:

@@ -619,7 +619,7 @@ def _print_stacks(scheduler: str, name: str) -> int:
 
     with Client(scheduler) as client:
         try:
-            job = _job.attach(client, name)
+            job = _job.attach_job(client, name)
         except JobNotFoundError as exc:
             _say(str(exc))
             return 1

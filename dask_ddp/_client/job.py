@@ -1,12 +1,12 @@
 """The client's handle on a job that lives in the cluster: :class:`Job`, :func:`jobs`,
-:func:`attach`.
+:func:`attach_job` (what :func:`dask_ddp.attach` does for a job).
 
 A job runs on the scheduler, in dask-ddp's plugin (:mod:`dask_ddp._scheduler.supervisor`),
 whether or not the client that launched it is still there. A :class:`Job` is one client's view
 of it: it follows the job's event topic (:mod:`dask_ddp._client.reader`) into a
 :class:`~dask_ddp._client.model.JobModel` and reads the job's state, history, records, printed
 lines and checkpoints from there; its rank futures are the ones the supervisor published, bound
-to this client. :func:`dask_ddp.launch` returns one; :func:`attach` gives one for a job another
+to this client. :func:`dask_ddp.launch` returns one; :func:`attach_job` gives one for a job another
 client launched (or this one, before a kernel restart); :func:`jobs` lists the jobs the cluster
 knows.
 
@@ -44,7 +44,8 @@ __all__ = [
     "MetricRecord",
     "OutputLine",
     "Transition",
-    "attach",
+    "attach_job",
+    "attached",
     "jobs",
 ]
 
@@ -537,35 +538,14 @@ def jobs(client: Client) -> list[JobInfo]:
     ]
 
 
-def attach(client: Client, job: str) -> Job:
-    """Follow a job the cluster runs (or ran recently), whoever launched it.
+def attach_job(client: Client, job: str) -> Job:
+    """Follow the job ``job`` (an id or a name), as :func:`dask_ddp.attach` does for a job."""
+    return attached(client, calls.attach(client, job)["state"])
 
-    The job's state, history, checkpoints and each rank's progress so far come at once;
-    its records from the events the cluster still holds, then each new one as it comes;
-    :meth:`Job.result`, :meth:`Job.cancel`, :attr:`Job.futures` and the live view work as
-    for the client that launched it. A job whose last client left is followed again (its
-    ``ddp.orphan-timeout`` stops). ``on_report`` callbacks of the client that launched it
-    do not move here: iterate :meth:`Job.iter_metrics` instead.
 
-    Parameters
-    ----------
-    client : distributed.Client
-        A client of the job's cluster.
-    job : str
-        The job's id, or its name (the running job of that name, else the newest).
-
-    Raises
-    ------
-    JobNotFoundError
-        The cluster knows no such job (never ran there, or was forgotten).
-
-    Examples
-    --------
-    >>> job = dask_ddp.attach(client, "nightly")   # doctest: +SKIP
-    >>> job.history[-1].state, job.metrics[-1]      # doctest: +SKIP
-    >>> job.result()                                # doctest: +SKIP
-    """
-    state = calls.attach_job(client, job)  # the cluster sends this client its events now
+def attached(client: Client, state: dict[str, Any]) -> Job:
+    """A :class:`Job` for the job whose ``state`` the cluster answered an attach with (it
+    sends this client the job's events from then on)."""
     model = JobModel(state["job"], state["name"])
     reader = EventReader(client, model)
     reader.follow()  # what came meanwhile is in the scheduler's history, read first

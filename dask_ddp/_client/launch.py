@@ -339,7 +339,7 @@ def launch(
     )
 
 
-def _launch(
+def job_spec(
     client: Client,
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -352,8 +352,6 @@ def _launch(
     timeout: TimeoutLike | None = None,
     min_workers: int | None = None,
     ranks_per_worker: int | str = 1,
-    on_report: Callable[[MetricRecord], Any] | None = None,
-    on_output: Callable[[OutputLine], Any] | None = None,
     max_restarts: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = None,
@@ -365,7 +363,10 @@ def _launch(
     detach: bool = False,
     adaptive: bool | None = None,
     stall_timeout: TimeoutLike | None = None,
-) -> Job:
+) -> tuple[JobSpec, Any]:
+    """The job's :class:`JobSpec`, its arguments checked and pickled once (and its
+    datasets persisted and published, returned with it), as ``launch()`` and each trial of
+    ``sweep()`` send it; the plugin installed."""
     args = tuple(args)
     kwargs = dict(kwargs or {})
     settings = config.resolve(
@@ -418,7 +419,46 @@ def _launch(
         adaptive=dask_internals.is_adaptive(client) if adaptive is None else adaptive,
         sources=sources,
     )
-    model = JobModel(job_id, spec.name)
+    return spec, persisted
+
+
+def _launch(
+    client: Client,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    *,
+    pass_local_rank: bool,
+    init_process_group: bool,
+    workers: int | Sequence[str] | None = None,
+    backend: str | None = None,
+    timeout: TimeoutLike | None = None,
+    min_workers: int | None = None,
+    ranks_per_worker: int | str = 1,
+    on_report: Callable[[MetricRecord], Any] | None = None,
+    on_output: Callable[[OutputLine], Any] | None = None,
+    max_restarts: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    keep_last: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    checkpoint_mode: str | None = None,
+    datasets: Mapping[str, Any] | None = None,
+    total_steps: int | None = None,
+    name: str | None = None,
+    detach: bool = False,
+    adaptive: bool | None = None,
+    stall_timeout: TimeoutLike | None = None,
+) -> Job:
+    spec, persisted = job_spec(
+        client, fn, args, kwargs, pass_local_rank=pass_local_rank,
+        init_process_group=init_process_group, workers=workers, backend=backend,
+        timeout=timeout, min_workers=min_workers, ranks_per_worker=ranks_per_worker,
+        max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
+        storage_options=storage_options, checkpoint_mode=checkpoint_mode, datasets=datasets,
+        total_steps=total_steps, name=name, detach=detach, adaptive=adaptive,
+        stall_timeout=stall_timeout,
+    )  # fmt: skip
+    model = JobModel(spec.job_id, spec.name)
     model.total_steps = total_steps
     reader = EventReader(client, model, on_report=on_report, on_output=on_output)
     try:
@@ -431,7 +471,7 @@ def _launch(
         raise
     model.apply_state(state)
     reader.start()
-    return Job(client, model, reader, sources)
+    return Job(client, model, reader, spec.sources)
 
 
 def launch_script(

@@ -183,6 +183,7 @@ class RankChannel:
         turn: tuple[int, tuple[str | None, str], list[Any] | None] | None = None,
         idle_interval: float | None = None,
         start: Callable[[Callable[[], None]], Any] | None = None,
+        watch: str | None = None,
     ) -> None:
         self._worker = worker
         self._relay = relay
@@ -216,6 +217,7 @@ class RankChannel:
         # The last status put: phase, detail.
         self._said: tuple[str | None, str] = (None, "") if turn is None else turn[1]
         self._metric: str | None = None  # the curve's metric, as the views pick it
+        self._watch = watch  # a sweep's metric (EventPlan.watch): each value told
         self._start = start or self._thread
         self._looping = False  # the sending loop started
         _channels.add(self)
@@ -428,7 +430,7 @@ class RankChannel:
             else:
                 parts.append(packed)
                 size += n
-                told.add(kind, body, self._metric)
+                told.add(kind, body, self._metric, self._watch)
         final = {} if end is None else {"outcome": end.to_wire()}
         if parts:
             if final:  # the marker counts this batch's messages too
@@ -454,7 +456,7 @@ class RankChannel:
         """A large message, held here for the clients to fetch; its event tells in the
         clear what it is (a large record counts for the job's progress as any other)."""
         told = Told()
-        told.add(msg[0], msg[1], self._metric)
+        told.add(msg[0], msg[1], self._metric, self._watch)
         key = f"{self._job}/{self._rank}/{self._seq}"
         if self._relay is not None:
             self._relay.hold_blob(key, msg)

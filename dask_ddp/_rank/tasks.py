@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import numbers
 import os
 import signal
 import time
@@ -74,6 +75,40 @@ class Resized:
     step: int
 
 
+def _call_of(payload: bytes, spec: RankSpec) -> tuple[Any, tuple, dict[str, Any]]:
+    """The rank's call: ``(fn, args, kwargs)`` as the launching client pickled them, with a
+    sweep's trial arguments (``spec.trial_kwargs``) and ``local_rank=`` where asked."""
+    fn, args, kwargs = cloudpickle.loads(payload)
+    if spec.trial_kwargs:
+        kwargs = {**kwargs, **spec.trial_kwargs}
+    if spec.pass_local_rank:
+        kwargs = {**kwargs, "local_rank": spec.placement.local_rank}
+    return fn, args, kwargs
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a number if it is one (a sweep's objective), else None; a tensor or an
+    array of one element counts.
+
+    >>> _number(3), _number(0.5), _number(True), _number("1"), _number([1.0])
+    (3.0, 0.5, None, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    numel = getattr(value, "numel", None)  # torch.Tensor.numel(), numpy's size
+    count = numel() if callable(numel) else getattr(value, "size", None)
+    item = getattr(value, "item", None)
+    if count == 1 and callable(item):
+        try:
+            number = item()
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        return _number(number) if isinstance(number, numbers.Real) else None
+    return None
+
+
 def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOutcome:
     """How a rank ended, decided here, on the rank, from the exception object itself: what
     its final marker tells the supervisor (which never reads an exception's text).
@@ -95,7 +130,7 @@ def outcome_of(value: Any = None, error: BaseException | None = None) -> RankOut
     if error is None:
         if isinstance(value, Resized):
             return RankOutcome(Verdict.GROW, step=value.step)
-        return RankOutcome(Verdict.DONE)
+        return RankOutcome(Verdict.DONE, number=_number(value))
     if isinstance(error, RankStoppedError):
         peer_lost = error.failed_rank is not None and error.failed_rank < 0
         return RankOutcome(
@@ -481,6 +516,7 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         interval=spec.events.flush_interval,
         max_event_bytes=spec.events.max_event_bytes,
         topic=spec.events.topic,
+        watch=spec.events.watch,
     )
     run = RankRun(
         spec.run_id,
@@ -497,9 +533,7 @@ def run_rank(payload: bytes, spec: RankSpec) -> Any:
         return replicas.process_memory(), replicas.memory_limit(worker)
 
     def in_thread() -> Any:  # a lane: the rank in this thread
-        fn, args, kwargs = cloudpickle.loads(payload)
-        if spec.pass_local_rank:
-            kwargs = {**kwargs, "local_rank": p.local_rank}
+        fn, args, kwargs = _call_of(payload, spec)
         return _run_in_slot(fn, args, kwargs, spec, run, peer, memory, slot, lane=True)
 
     def handlers() -> dict[str, Callable[..., Any]]:  # what a rank's process may ask
@@ -600,6 +634,7 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
         relay=link,
         turn=turn,
         start=link.thread,
+        watch=spec.events.watch,
     )
     run = RankRun(
         spec.run_id,
@@ -631,9 +666,7 @@ def run_in_process(payload: bytes, spec: RankSpec, link: Any, turn: Any) -> Any:
     _collection_shard.load_through_worker(functools.partial(link.call, "dataset_load"))
     try:
         run.check_stop()
-        fn, args, kwargs = cloudpickle.loads(payload)
-        if spec.pass_local_rank:
-            kwargs = {**kwargs, "local_rank": spec.placement.local_rank}
+        fn, args, kwargs = _call_of(payload, spec)
         peer = _RelayedPeer(link)
         with _thread_share(spec), _process.platform_start_method():
             value = _run_in_slot(

@@ -190,6 +190,7 @@ class Launcher:
             flush_interval=flush,
             max_event_bytes=settings.max_event_bytes,
             result_limit=settings.result_limit,
+            watch=spec.watch,
         )
         specs = [
             RankSpec(
@@ -215,6 +216,7 @@ class Launcher:
                 failure_grace=settings.failure_grace,
                 can_grow=can_grow,
                 datasets=shares[p.rank],
+                trial_kwargs=spec.trial_kwargs,
             )
             for p in plan
         ]

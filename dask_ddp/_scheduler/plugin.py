@@ -41,7 +41,7 @@ from .. import config as _config
 from .._shared import dask_internals, preload
 from .._shared.placement import select_workers
 from .._shared.protocol import HANDLERS, Entry, NamedWorkerPlugin, call, order_mark
-from .._shared.values import JobSpec
+from .._shared.values import JobSpec, SweepSpec
 from ..errors import (
     DaskDDPError,
     JobNameTakenError,
@@ -49,12 +49,14 @@ from ..errors import (
     JobStillRunningError,
     NoWorkersError,
     SchedulerPluginError,
+    SweepStudyError,
     to_wire,
 )
 from . import page
 from .lifecycle import STOP_MARGIN
 from .pool import WorkerPool
-from .supervisor import Supervisor
+from .supervisor import Observer, Supervisor
+from .sweep import SweepSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class DaskDDPPlugin(SchedulerPlugin):
         self.pages = bool(_config.get("ddp.dashboard.enabled") if pages is None else pages)
         self.changes = page.Changes()  # what the /ddp/ pages show, changing
         self.jobs: dict[str, Supervisor] = {}  # in launch order
+        self.sweeps: dict[str, SweepSupervisor] = {}  # in launch order
         self.gpus: dict[str, Any] = {}  # worker -> (GPU count, CUDA_VISIBLE_DEVICES)
         self.scheduler: Any = None
         self.client: Any = None
@@ -114,6 +117,9 @@ class DaskDDPPlugin(SchedulerPlugin):
             ("forget", self._handle_forget),
             ("values", self._handle_values),
             ("ready", self._handle_ready),
+            ("sweep", self._handle_sweep),
+            ("sweep_cancel", self._handle_sweep_cancel),
+            ("sweep_trials", self._handle_sweep_trials),
         ):
             dask_internals.add_scheduler_handler(scheduler, HANDLERS[what], handler)
         self._ready = asyncio.Event()
@@ -162,6 +168,9 @@ class DaskDDPPlugin(SchedulerPlugin):
         await asyncio.shield(self._connecting)
 
     async def before_close(self) -> None:
+        for sweep in list(self.sweeps.values()):
+            sweep.cancel("the scheduler is closing")
+            sweep.close()
         for job in list(self.jobs.values()):
             job.cancel("the scheduler is closing")
         if self._connecting is not None and not self._connecting.done():
@@ -201,10 +210,63 @@ class DaskDDPPlugin(SchedulerPlugin):
         return {"state": found.public_state()}
 
     def _handle_attach(self, job: str, client: str | None = None) -> dict[str, Any]:
+        sweep = self.find_sweep(job)
+        if sweep is not None:  # a sweep by its id or name: its state, and its topic from now
+            if client:
+                self.scheduler.subscribe_topic(sweep.topic, client)
+            return {"sweep": sweep.public_state()}
         try:
             return {"state": self.attach(job, client)}
         except DaskDDPError as exc:
             return {"refused": to_wire(exc)}
+
+    async def _handle_sweep(self, spec: SweepSpec) -> dict[str, Any]:
+        """Start a sweep; answer once its first trial runs or waits (or could not)."""
+        await self.ready()
+        for other in self.sweeps.values():
+            if spec.named and other.spec.name == spec.name and not other.final:
+                return {"refused": to_wire(JobNameTakenError(spec.name, other.sweep_id))}
+        sweep = SweepSupervisor(self, spec)
+        self.sweeps[spec.sweep_id] = sweep
+        if spec.client:
+            self.scheduler.subscribe_topic(sweep.topic, spec.client)
+        sweep.start()
+        try:
+            await sweep.first_trial()
+        except DaskDDPError as exc:
+            await sweep.until_done()
+            self.sweeps.pop(spec.sweep_id, None)
+            sweep.close()
+            return {"refused": to_wire(exc)}
+        except Exception as exc:  # the study did not unpickle, or asking it failed
+            await sweep.until_done()
+            self.sweeps.pop(spec.sweep_id, None)
+            sweep.close()
+            cause = SweepStudyError(spec.sweep_id, f"{type(exc).__name__}: {exc}")
+            return {"refused": to_wire(cause)}
+        return {"state": sweep.public_state()}
+
+    async def _handle_sweep_cancel(self, sweep: str, reason: str) -> dict[str, Any]:
+        found = self.find_sweep(sweep)
+        if found is None:
+            return {"refused": to_wire(JobNotFoundError([], job=sweep))}
+        found.cancel(reason)
+        await found.until_done()
+        return {"state": found.public_state()}
+
+    async def _handle_sweep_trials(self, sweep: str) -> dict[str, Any]:
+        found = self.find_sweep(sweep)
+        if found is None:
+            return {"refused": to_wire(JobNotFoundError([], job=sweep))}
+        return {"trials": await found.frozen_trials()}
+
+    def find_sweep(self, sweep: str) -> SweepSupervisor | None:
+        """The sweep of id ``sweep``, else the newest of that name (a running one first)."""
+        if sweep in self.sweeps:
+            return self.sweeps[sweep]
+        named = [s for s in self.sweeps.values() if s.spec.name == sweep]
+        running = [s for s in named if not s.final]
+        return (running or named or [None])[-1]
 
     def _handle_values(self, job: str) -> dict[str, Any]:
         """The return values ``job``'s supervisor holds (see ``ddp.result-limit``)."""
@@ -285,6 +347,14 @@ class DaskDDPPlugin(SchedulerPlugin):
             self._forgetting.add(forgetting)
             forgetting.add_done_callback(self._forgetting.discard)
 
+    def sweep_ended(self, sweep: SweepSupervisor) -> None:
+        """``sweep`` ended: forget the oldest finished sweeps past ``max_jobs`` (their trials'
+        jobs go as other jobs do)."""
+        finished = [s for s in self.sweeps.values() if s.final]
+        for old in finished[: max(0, len(finished) - self.max_jobs)]:
+            self.sweeps.pop(old.sweep_id, None)
+            dask_internals.drop_topic(old.topic, None, self.scheduler)
+
     # -- what clients ask of it ----------------------------------------------------------
     def _check_name(self, spec: JobSpec) -> None:
         """A name given by the user names one running job at a time."""
@@ -292,9 +362,10 @@ class DaskDDPPlugin(SchedulerPlugin):
             if spec.named and job.spec.name == spec.name and not job.state.final:
                 raise JobNameTakenError(spec.name, job.job_id)
 
-    async def launch(self, spec: JobSpec) -> dict[str, Any]:
+    async def launch(self, spec: JobSpec, observer: Observer | None = None) -> dict[str, Any]:
         """Take a job; answer once it runs or waits for workers (its first placement's error,
-        if it cannot be placed at all, is raised to the launching client)."""
+        if it cannot be placed at all, is raised to the launching client). ``observer``
+        (a sweep, of its trial) is told what the job's ranks tell and each change."""
         await self.ready()
         self._check_name(spec)
         size, spec = self._size(spec)
@@ -308,7 +379,7 @@ class DaskDDPPlugin(SchedulerPlugin):
             except JobNameTakenError:
                 await datasets.release(self.client)
                 raise
-        job = Supervisor(self, spec, size, datasets)
+        job = Supervisor(self, spec, size, datasets, observer)
         self.jobs[spec.job_id] = job
         self._topics[job.topic] = job
         if spec.client:

@@ -67,6 +67,15 @@ class Host(Protocol):
     def job_ended(self, job: Supervisor) -> None: ...
 
 
+class Observer(Protocol):
+    """What follows a job from the scheduler (a sweep, its trials): on the loop, never
+    blocking, never calling back into the job while it is told."""
+
+    def told(self, job: Supervisor, rank: int, told: Told) -> None: ...
+
+    def changed(self, job: Supervisor) -> None: ...
+
+
 def first_line(error: BaseException) -> str:
     """An error in one line: its summary, else the first line of its text."""
     return str(getattr(error, "summary", None) or error).split("\n", 1)[0]
@@ -109,12 +118,20 @@ class Supervisor:
         launch (the job's :class:`~dask_ddp._scheduler.lifecycle.Policy` keeps them).
     datasets : optional
         The job's Dask collections, planned again for each attempt.
+    observer : Observer, optional
+        Told what the ranks tell and each change of the job (a sweep, of its trials).
     """
 
     def __init__(
-        self, plugin: Host, spec: JobSpec, size: tuple[int, int], datasets: Any = None
+        self,
+        plugin: Host,
+        spec: JobSpec,
+        size: tuple[int, int],
+        datasets: Any = None,
+        observer: Observer | None = None,
     ) -> None:
         self.plugin, self.spec = plugin, spec
+        self.observer = observer
         self.job_id = spec.job_id
         self.topic = job_topic(spec.job_id)
         self.settings = settings = spec.settings
@@ -257,6 +274,8 @@ class Supervisor:
 
     def _told(self, a: Attempt, rank: int, told: Told) -> None:
         self.progress.take(rank, told)
+        if self.observer is not None:
+            self.observer.told(self, rank, told)
         if told.last is not None and not a.reported:
             a.reported = True
             self._first_step(a)
@@ -756,6 +775,8 @@ class Supervisor:
         if self._soon is not None:
             self._soon.cancel()
             self._soon = None
+        if self.observer is not None:
+            self.observer.changed(self)
         if self._publishing is not None and self._outcome() is not None:
             return  # _publish_attempt says it
         self._version += 1

@@ -74,6 +74,7 @@ __all__ = [
     "rank_key",
     "record",
     "run_id_of",
+    "sweep_topic",
 ]
 
 #: The version of the records below; a reader takes records of this version or older.
@@ -207,6 +208,10 @@ class RankOutcome:
         ``done``: the rank's return value, pickled, when it is no larger than
         ``ddp.result-limit``: the job's supervisor holds it, so that ``Job.result()``
         answers after the rank's worker left (:meth:`holding`).
+    number : float or None
+        ``done``: the return value as a number, when it is one (an int, a float, a numpy
+        scalar, a one-element tensor): a sweep's trial takes it as its objective, so the
+        scheduler never unpickles a value.
 
     Examples
     --------
@@ -227,6 +232,7 @@ class RankOutcome:
     step: int | None = None
     fault: Fault | None = None
     value: bytes | None = None
+    number: float | None = None
 
     def holding(self, value: bytes | None, limit: int) -> RankOutcome:
         """This outcome with the rank's pickled return value, if it succeeded and
@@ -325,6 +331,15 @@ class Restore:
         if self.source == "peer":
             return f"the replica of step {self.step} in the memory of {self.holder}"
         return f"{self.url or 'the store'} (step {self.step})"
+
+
+def sweep_topic(sweep_id: str) -> str:
+    """The event topic of one sweep (its state; each trial's job has a topic of its own).
+
+    >>> sweep_topic("5e1d")
+    'dask-ddp-sweep-5e1d'
+    """
+    return f"dask-ddp-sweep-{sweep_id}"
 
 
 def job_topic(job_id: str) -> str:
@@ -508,6 +523,9 @@ HANDLERS = {
     "forget": "dask_ddp_forget",
     "values": "dask_ddp_values",
     "ready": "dask_ddp_ready",
+    "sweep": "dask_ddp_sweep",
+    "sweep_cancel": "dask_ddp_sweep_cancel",
+    "sweep_trials": "dask_ddp_sweep_trials",
 }
 
 
@@ -645,6 +663,9 @@ class EventPlan:
     # ddp.result-limit (1 MiB): a return value up to this size rides on the rank's final
     # marker, and the job's supervisor holds it
     result_limit: int = 1_048_576
+    # A sweep's trial: the metric its sweep reads (its values at each step tell in the
+    # clear, Told.watched), whatever metric the views' curve draws
+    watch: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -671,6 +692,9 @@ class RankSpec:
         An elastic job below its size: the ranks may stop at a checkpoint to grow.
     datasets : dict or None
         Its share of ``launch(datasets=)`` (keys and row ranges, no data).
+    trial_kwargs : dict or None
+        A sweep's trial: the keyword arguments its ``params(trial)`` returned, given to the
+        function over the launch's own.
     failure_grace : float
         Seconds a stopped rank's process has between SIGTERM and SIGKILL.
     """
@@ -690,6 +714,7 @@ class RankSpec:
     failure_grace: float = 5.0  # ddp.failure-grace: a stopped rank's SIGTERM to SIGKILL
     can_grow: bool = False
     datasets: dict[str, Any] | None = None
+    trial_kwargs: dict[str, Any] | None = None  # a sweep's trial: its params(), over kwargs
 
 
 # -- what a rank says ----------------------------------------------------------------------
@@ -842,20 +867,24 @@ class Told:
     checkpoints: list[CheckpointNote] = dataclasses.field(default_factory=list)
     replicas: list[ReplicaNote] = dataclasses.field(default_factory=list)
     loaded: LoadedNote | None = None
+    watched: list[list[float]] = dataclasses.field(default_factory=list)
 
-    def add(self, kind: str, body: Any, metric: str | None) -> None:
-        """Count one message of the batch (``metric``: the curve's)."""
+    def add(self, kind: str, body: Any, metric: str | None, watch: str | None = None) -> None:
+        """Count one message of the batch (``metric``: the curve's; ``watch``: a sweep's,
+        every value of which is told, :attr:`watched`)."""
         if kind == METRICS:
             m = Metric(*body)
             self.records += 1
             self.last = m
             if self.first is None:
                 self.first = (m.step, m.time)
+            x = m.step if m.step is not None else self.records
             if metric in m.values:
-                x = m.step if m.step is not None else self.records
                 self.points.append([x, m.values[metric]])
                 if len(self.points) > 2 * _TOLD_POINTS:
                     del self.points[1:-1:2]  # thinned, the first and the last kept
+            if watch is not None and watch in m.values:
+                self.watched.append([x, m.values[watch]])
         elif kind == STATUS:
             status = Status(*body)
             if status.phase is None and self.status is not None:  # the batch's phase stays
@@ -894,4 +923,5 @@ class Told:
             checkpoints=[CheckpointNote(*c) for c in data.get("checkpoints", ())],
             replicas=[ReplicaNote(*r) for r in data.get("replicas", ())],
             loaded=LoadedNote(*data["loaded"]) if data.get("loaded") else None,
+            watched=[list(p) for p in data.get("watched", ())],
         )

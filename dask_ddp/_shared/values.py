@@ -21,7 +21,9 @@ __all__ = [
     "JobState",
     "MetricRecord",
     "OutputLine",
+    "SweepSpec",
     "Transition",
+    "TrialInfo",
     "with_starts",
 ]
 
@@ -325,6 +327,9 @@ class JobSpec:
     datasets_name: str | None = None
     adaptive: bool = False
     sources: Any = None  # tracebacks.Sources: the function's code by value, placed
+    sweep: str | None = None  # a sweep's trial: the sweep's id
+    watch: str | None = None  # a trial: the metric its sweep reads (EventPlan.watch)
+    trial_kwargs: dict[str, Any] | None = None  # a trial: its params(), over the kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,3 +369,91 @@ class CheckpointInfo:
     time: float
     stall: float = 0.0
     world_size: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    """A sweep as its client sends it (:func:`dask_ddp.sweep`).
+
+    ``study`` is ``(study, params)`` pickled on the client: the sweep's own thread on the
+    scheduler unpickles it (the one place a user's code and Optuna run there); ``trial`` is
+    every trial's job but for its id, name, checkpoint directory and ``params()``.
+    """
+
+    sweep_id: str
+    name: str
+    named: bool
+    study: bytes
+    trial: JobSpec
+    n_trials: int
+    metric: str
+    client: str | None = None
+    launched_by: str = "?"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialInfo:
+    """One trial of a sweep, as :attr:`Sweep.trials <dask_ddp.Sweep.trials>` lists it.
+
+    Attributes
+    ----------
+    number : int
+        The trial's number in its study.
+    state : str
+        ``"waiting"`` (for a whole worker set), ``"running"``, ``"complete"``, ``"pruned"``
+        or ``"fail"``: the last three are final, as Optuna's ``TrialState`` has them.
+    job_id : str or None
+        Its job (:attr:`Sweep.jobs <dask_ddp.Sweep.jobs>`).
+    params : dict
+        The hyperparameters its ``params(trial)`` suggested.
+    value : float or None
+        Its objective, once complete.
+    step : int or None
+        The last step whose ``metric`` the study was told (:meth:`optuna.trial.Trial.report`).
+    latest : float or None
+        The ``metric`` reported at that step.
+    pruned_at : int or None
+        The step at which the study's pruner stopped it.
+    error : str or None
+        Why it failed, in one line.
+    curve : list of [step, value]
+        Rank 0's ``metric`` so far, thinned to at most 64 points.
+    started, ended : float or None
+        When it started running, and ended (seconds since the epoch).
+    attempts : int
+        Placements of its job (more than one: it restarted from its checkpoint).
+
+    Examples
+    --------
+    >>> t = TrialInfo(3, "pruned", "ab12", {"lr": 0.1}, pruned_at=4)
+    >>> t.final, TrialInfo.from_wire(t.to_wire()) == t
+    (True, True)
+    """
+
+    number: int
+    state: str
+    job_id: str | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    value: float | None = None
+    step: int | None = None
+    latest: float | None = None
+    pruned_at: int | None = None
+    error: str | None = None
+    curve: list[list[float]] = dataclasses.field(default_factory=list)
+    started: float | None = None
+    ended: float | None = None
+    attempts: int = 0
+
+    @property
+    def final(self) -> bool:
+        """Whether the trial is over (complete, pruned or failed)."""
+        return self.state in ("complete", "pruned", "fail")
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain values."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> TrialInfo:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

@@ -25,6 +25,7 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+_LEGEND_ROWS = 8  # curves named in the legend, at most (a sweep draws one per trial)
 _SMOOTHING = 0.6  # the weight TensorBoard's smoothing slider starts at
 _LOG_SPAN = 100.0  # a metric spanning more than two decades is drawn on a log axis
 
@@ -53,9 +54,10 @@ def _y_axis(ys: list[float]) -> tuple[Callable[[float], float], list[float], boo
 
 
 def svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
-    """``metric`` per rank as an inline SVG chart: raw line faint, smoothed line over it,
-    ticks and a legend, a log y axis when the values span more than two decades. Text
-    and axes take the surrounding text colour, so light and dark themes both read."""
+    """``metric`` per rank (or per trial of a sweep: its ``label``) as an inline SVG chart:
+    raw line faint, smoothed line over it, ticks and a legend, a log y axis when the values
+    span more than two decades. Text and axes take the surrounding text colour, so light
+    and dark themes both read."""
     curves = [r for r in ranks if len(r["curve"]) >= 2]
     points = [p for r in curves for p in r["curve"]]
     if metric is None or not points:
@@ -83,17 +85,19 @@ def svg_curve(ranks: list[dict[str, Any]], metric: str | None) -> str:
         )
     for i, r in enumerate(curves):
         color = _COLORS[r["rank"] % len(_COLORS)]
+        name = html.escape(r.get("label") or f"rank {r['rank']}")
         steps, values = [x for x, _ in r["curve"]], [y for _, y in r["curve"]]
         for line, extra in ((values, ' stroke-opacity="0.3"'), (smoothed(values), "")):
             path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(steps, line, strict=True))
             parts.append(
                 f'<polyline fill="none" stroke="{color}" stroke-width="1.5"{extra} '
-                f'points="{path}"><title>rank {r["rank"]}</title></polyline>'
+                f'points="{path}"><title>{name}</title></polyline>'
             )
-        parts.append(
-            f'<text x="{width - right - 4}" y="{top + 12 + 12 * i}" text-anchor="end" '
-            f'fill="{color}">rank {r["rank"]}</text>'
-        )
+        if i < _LEGEND_ROWS:
+            parts.append(
+                f'<text x="{width - right - 4}" y="{top + 12 + 12 * i}" text-anchor="end" '
+                f'fill="{color}">{name}</text>'
+            )
     label = html.escape(metric) + (" (log scale)" if log else "")
     parts += [
         f'<text x="{left}" y="{height - bottom + 12}">{fmt(x0)}</text>',
@@ -231,6 +235,47 @@ def render_html(snap: dict[str, Any]) -> str:
         f"<th>progress</th><th>latest</th></tr>{rows}</table>"
         f"{svg_curve(snap['ranks'], snap['metric'])}{_output_html(snap)}{_errors_html(snap)}"
         "</div>"
+    )
+
+
+def render_sweep_html(state: dict[str, Any]) -> str:
+    """A sweep as static HTML (its state as the scheduler tells it): the title with the best
+    trial so far, a row per trial, and each trial's curve of the sweep's metric."""
+    trials = state["trials"]
+    done = sum(t["state"] in ("complete", "pruned", "fail") for t in trials)
+    best = next((t for t in trials if t["number"] == state.get("best")), None)
+    best_text = (
+        f"; best: trial {best['number']}, {html.escape(state['metric'])} = {fmt(best['value'])}"
+        if best is not None and best["value"] is not None
+        else ""
+    )
+    title = (
+        f"<b>sweep {html.escape(state['name'])}</b> ({state['sweep']}): {state['state']}, "
+        f"{done} of {state['n_trials']} trials done{best_text}"
+    )
+    rows = []
+    for t in trials:
+        params = ", ".join(f"{html.escape(str(k))}={fmt(v)}" for k, v in t["params"].items())
+        value = t["value"] if t["value"] is not None else t["latest"]
+        detail = t["error"] or (f"pruned at step {t['pruned_at']}" if t["pruned_at"] else "")
+        mark = " &#9733;" if best is not None and t["number"] == best["number"] else ""
+        rows.append(
+            f"<tr><td>{t['number']}{mark}</td><td>{t['state']}</td><td>{params}</td>"
+            f"<td>{'' if value is None else fmt(value)}</td>"
+            f"<td>{'' if t['step'] is None else t['step']}</td>"
+            f"<td>{html.escape(_short(detail, 120))}</td></tr>"
+        )
+    curves = [
+        {"rank": t["number"], "label": f"trial {t['number']}", "curve": t["curve"]} for t in trials
+    ]
+    error = state.get("error")
+    error_html = (
+        f"<pre style='color:#d62728'>{html.escape(error.get('text', ''))}</pre>" if error else ""
+    )
+    return (
+        f"<div>{title}<table><tr><th>trial</th><th>state</th><th>params</th>"
+        f"<th>{html.escape(state['metric'])}</th><th>step</th><th></th></tr>{''.join(rows)}"
+        f"</table>{svg_curve(curves, state['metric'])}{error_html}</div>"
     )
 
 

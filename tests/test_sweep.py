@@ -1,0 +1,282 @@
+"""Sweeps (``dask_ddp.sweep``): a real Optuna study whose trials are jobs on real
+LocalClusters: packing by the worker pool, pruning that stops every rank of a trial, failed
+and restarted trials, a sweep that outlives its client, adaptive clusters, mixed sizes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import distributed
+import optuna
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_ddp
+from dask_ddp.errors import SweepParamsError
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def curve(
+    lr: float, steps: int = 6, delay: float = 0.05, fail: bool = False,
+    hang_after: int | None = None,
+) -> dict:  # fmt: skip
+    """A trial: ``val_loss = lr * (steps - step)``, one step per ``delay`` seconds (and a
+    minute's sleep after step ``hang_after``); each rank says where it ran."""
+    ctx = dask_ddp.get_context()
+    for step in range(steps):
+        if fail and step == 2:
+            raise ValueError(f"trial with lr={lr} diverged")
+        time.sleep(delay)
+        dask_ddp.report({"val_loss": lr * (steps - step)}, step=step)
+        if step == hang_after:
+            time.sleep(60)
+    return {"rank": ctx.rank, "world": ctx.world_size}
+
+
+def lr_params(trial: optuna.Trial) -> dict[str, Any]:
+    return {"lr": trial.suggest_float("lr", 0.1, 1.0)}
+
+
+def _pruning_study(**kwargs: Any) -> optuna.Study:
+    return optuna.create_study(
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1), **kwargs
+    )
+
+
+def test_a_prune_stops_every_rank_and_the_next_trial_takes_its_workers(client: Client) -> None:
+    # The first trial's values are the lowest: every later one is worse at step 1 and is
+    # pruned there, with both its ranks stopped (they would sleep a minute there), and the
+    # next trial runs on the two workers it freed.
+    study = _pruning_study()
+    for lr in (0.1, 0.9, 0.8, 0.7):
+        study.enqueue_trial({"lr": lr})
+    sweep = dask_ddp.sweep(
+        client, curve, study, lambda t: {**lr_params(t), "hang_after": 1 if t.number else None},
+        n_trials=4, workers_per_trial=2, metric="val_loss",
+    )  # fmt: skip
+    started = time.monotonic()
+    best = sweep.result(timeout=120)
+    took = time.monotonic() - started
+    assert best.number == 0 and best.value == pytest.approx(0.1 * 1)  # its last step's value
+    assert [t.state for t in sweep.trials] == ["complete", "pruned", "pruned", "pruned"]
+    assert [t.pruned_at for t in sweep.trials[1:]] == [1, 1, 1]
+    assert took < 60  # each pruned trial's ranks would have slept a minute
+    jobs = sweep.jobs
+    for number in (1, 2, 3):
+        job = jobs[number]
+        assert job.state.value == "cancelled" and job.wait_stopped(10)
+        assert "pruned at step 1" in job.history[-1].reason
+    assert set(jobs[1].workers) == set(jobs[2].workers) == set(client.scheduler_info()["workers"])
+    # The study holds what the sweep told it: intermediate values, states, the objective.
+    frozen = sweep.study.trials
+    assert [t.state.name for t in frozen] == ["COMPLETE", "PRUNED", "PRUNED", "PRUNED"]
+    # Each trial was asked for once the one before it no longer waited for workers (the
+    # pool's next), not all at once.
+    trials = sweep.trials
+    for n in (1, 2, 3):
+        assert frozen[n].datetime_start.timestamp() >= trials[n - 1].started - 0.05
+    assert frozen[0].intermediate_values == {s: pytest.approx(0.1 * (6 - s)) for s in range(6)}
+
+
+def test_a_trial_that_raises_fails_and_the_sweep_goes_on(client: Client) -> None:
+    sweep = dask_ddp.sweep(
+        client, curve, optuna.create_study(),
+        lambda t: {**lr_params(t), "fail": t.number == 1},
+        n_trials=3, metric="val_loss",
+    )  # fmt: skip
+    best = sweep.result(timeout=120)
+    states = [t.state for t in sweep.trials]
+    assert states == ["complete", "fail", "complete"]
+    assert "ValueError: trial with lr=" in sweep.trials[1].error
+    assert best.number in (0, 2)
+    failed = sweep.study.trials[1]
+    assert failed.state.name == "FAIL" and "diverged" in failed.user_attrs["dask_ddp_error"]
+
+
+def test_a_returned_number_is_the_objective(client: Client) -> None:
+    def returns(lr: float) -> float:
+        dask_ddp.report({"val_loss": 100.0}, step=0)
+        return lr * 2
+
+    sweep = dask_ddp.sweep(
+        client, returns, optuna.create_study(direction="maximize"), lr_params,
+        n_trials=2, metric="val_loss",
+    )  # fmt: skip
+    best = sweep.result(timeout=120)
+    assert best.value == pytest.approx(best.params["lr"] * 2)
+    assert sweep.study.direction.name == "MAXIMIZE"
+
+
+def test_params_that_fail_stop_the_sweep_naming_the_trial(client: Client) -> None:
+    def params(trial: optuna.Trial) -> dict[str, Any]:
+        if trial.number == 1:
+            raise KeyError("lr")
+        return lr_params(trial)
+
+    sweep = dask_ddp.sweep(
+        client, curve, optuna.create_study(), params, n_trials=4, metric="val_loss"
+    )
+    with pytest.raises(SweepParamsError, match="trial 1: KeyError: 'lr'"):
+        sweep.result(timeout=120)
+    assert sweep.state == "failed"
+    assert all(t.final for t in sweep.trials)
+    # The first trial's params fail at once: sweep() itself raises, and nothing runs.
+    with pytest.raises(SweepParamsError, match="trial 0"):
+        dask_ddp.sweep(client, curve, optuna.create_study(), lambda t: 1, n_trials=1,
+                       metric="val_loss")  # fmt: skip
+
+
+def test_bad_arguments_are_refused_before_anything_runs(client: Client) -> None:
+    study = optuna.create_study()
+    for kwargs, error, match in (
+        ({"n_trials": 0}, ValueError, "n_trials"),
+        ({"workers_per_trial": 0}, ValueError, "workers_per_trial"),
+        ({"metric": ""}, ValueError, "metric"),
+    ):
+        args = {"n_trials": 1, "metric": "val_loss", **kwargs}
+        with pytest.raises(error, match=match):
+            dask_ddp.sweep(client, curve, study, lr_params, **args)
+    with pytest.raises(TypeError, match=r"optuna\.Study"):
+        dask_ddp.sweep(client, curve, "study", lr_params, n_trials=1, metric="val_loss")
+    with pytest.raises(ValueError, match="one metric"):
+        dask_ddp.sweep(
+            client, curve, optuna.create_study(directions=["minimize", "maximize"]),
+            lr_params, n_trials=1, metric="val_loss",
+        )  # fmt: skip
+    with pytest.raises(dask_ddp.errors.PlacementError):
+        dask_ddp.sweep(client, curve, study, lr_params, n_trials=1, workers_per_trial=3,
+                       metric="val_loss")  # fmt: skip
+    assert study.trials == []
+
+
+def test_the_sweep_outlives_its_client_and_attach_reads_the_best(
+    client: Client, cluster: LocalCluster
+) -> None:
+    storage = optuna.storages.InMemoryStorage()
+    with Client(cluster) as launching:
+        dask_ddp.sweep(
+            launching, curve, optuna.create_study(storage=storage), lr_params,
+            n_trials=4, metric="val_loss", name="outlives", kwargs={"delay": 0.3},
+        )  # fmt: skip
+    # The launching client is gone; the sweep goes on in the cluster.
+    sweep = dask_ddp.attach(client, "outlives")
+    assert isinstance(sweep, dask_ddp.Sweep)
+    best = sweep.result(timeout=120)
+    assert [t.state for t in sweep.trials] == ["complete"] * 4
+    assert best.value == min(t.value for t in sweep.trials)
+    assert len(sweep.study.trials) == 4 and sweep.study.best_trial.number == best.number
+    assert storage.get_all_trials(0) == []  # an in-memory study was a copy on the scheduler
+
+
+def test_a_durable_study_is_shared_with_the_scheduler(client: Client, tmp_path: Path) -> None:
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "journal.log"))
+    )
+    study = optuna.create_study(study_name="shared", storage=storage)
+    sweep = dask_ddp.sweep(client, curve, study, lr_params, n_trials=2, metric="val_loss")
+    best = sweep.result(timeout=120)
+    again = optuna.load_study(study_name="shared", storage=storage)
+    assert len(again.trials) == 2 and again.best_trial.number == best.number
+    assert len(study.trials) == 2  # not copied twice
+
+
+def test_trials_of_different_sizes_share_one_cluster(client: Client) -> None:
+    wide = dask_ddp.sweep(
+        client, curve, optuna.create_study(), lr_params, n_trials=3, workers_per_trial=2,
+        metric="val_loss", name="wide",
+    )  # fmt: skip
+    narrow = dask_ddp.sweep(
+        client, curve, optuna.create_study(), lr_params, n_trials=4, workers_per_trial=1,
+        metric="val_loss", name="narrow",
+    )  # fmt: skip
+    wide.result(timeout=180)
+    narrow.result(timeout=180)
+    assert [t.state for t in wide.trials] == ["complete"] * 3
+    assert [t.state for t in narrow.trials] == ["complete"] * 4
+    assert {j.world_size for j in wide.jobs.values()} == {2}
+    assert {j.world_size for j in narrow.jobs.values()} == {1}
+
+
+def test_cancel_stops_the_running_trials(client: Client) -> None:
+    sweep = dask_ddp.sweep(
+        client, curve, optuna.create_study(), lr_params, n_trials=10, metric="val_loss",
+        kwargs={"delay": 10.0},
+    )  # fmt: skip
+    sweep.cancel("enough")
+    assert sweep.state == "cancelled"
+    with pytest.raises(dask_ddp.JobCancelledError, match="enough"):
+        sweep.result(timeout=10)
+    assert all(t.state == "fail" for t in sweep.trials) and len(sweep.trials) <= 3
+
+
+def resumable(lr: float, kill: bool, steps: int = 8) -> dict:
+    """Checkpoints every other step; the trial told to ``kill`` kills its worker after it
+    reported step 4 of its first attempt, and resumes from step 3's checkpoint (so that
+    it reports step 4 again)."""
+    state = dask_ddp.get_checkpoint()
+    start = 0 if state is None else state["step"] + 1
+    ctx = dask_ddp.get_context()
+    for step in range(start, steps):
+        time.sleep(0.05)
+        dask_ddp.report({"val_loss": lr * (steps - step)}, step=step)
+        if step % 2 == 1:
+            dask_ddp.save_checkpoint({"step": step}, step=step)
+        if kill and ctx.attempt == 0 and step == 4:
+            time.sleep(0.5)  # the record of step 4 goes out first
+            os.kill(distributed.get_worker().pid, signal.SIGKILL)
+            time.sleep(60)
+    return {"attempt": ctx.attempt, "start": start}
+
+
+@pytest.mark.slow
+def test_a_worker_lost_mid_trial_restarts_it_from_its_checkpoint(
+    own_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    with Client(own_cluster) as client:
+        client.wait_for_workers(2, timeout="60s")
+        sweep = dask_ddp.sweep(
+            client, resumable, optuna.create_study(),
+            lambda t: {**lr_params(t), "kill": t.number == 0},
+            n_trials=3, metric="val_loss", checkpoint_dir=str(tmp_path),
+        )  # fmt: skip
+        sweep.result(timeout=180)
+        trials = sweep.trials
+        assert [t.state for t in trials] == ["complete"] * 3
+        assert trials[0].attempts == 2 and trials[0].value == pytest.approx(
+            trials[0].params["lr"] * 1
+        )
+        restarted = sweep.jobs[0]
+        assert restarted.result()[0] == {"attempt": 1, "start": 4}
+        assert (tmp_path / "trial-0000").is_dir() and (tmp_path / "trial-0002").is_dir()
+        # The study saw each step once, with its value: step 4, trained again after the
+        # restart, is not reported twice.
+        lr = trials[0].params["lr"]
+        values = sweep.study.trials[0].intermediate_values
+        assert values == {s: pytest.approx(lr * (8 - s)) for s in range(8)}
+
+
+@pytest.mark.slow
+def test_an_adaptive_cluster_grows_for_a_sweep() -> None:
+    with (
+        LocalCluster(
+            n_workers=0, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        cluster.adapt(minimum=0, maximum=2, interval="200ms")
+        seen: set[str] = set()
+        sweep = dask_ddp.sweep(
+            client, curve, optuna.create_study(), lr_params, n_trials=4, metric="val_loss",
+            kwargs={"delay": 0.5},
+        )  # fmt: skip
+        while not sweep.wait(0.2):
+            seen |= set(client.scheduler_info()["workers"])
+        sweep.result()
+        assert len(seen) >= 2
+        workers = {w for j in sweep.jobs.values() for w in j.workers}
+        assert len(workers) == 2  # trials ran side by side on the workers it grew
