@@ -4,9 +4,12 @@ and restarted trials, a sweep that outlives its client, adaptive clusters, mixed
 
 from __future__ import annotations
 
+import html
+import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +283,40 @@ def test_an_adaptive_cluster_grows_for_a_sweep() -> None:
         assert len(seen) >= 2
         workers = {w for j in sweep.jobs.values() for w in j.workers}
         assert len(workers) == 2  # trials ran side by side on the workers it grew
+
+
+def test_the_page_groups_a_sweep_s_trials(client: Client) -> None:
+    study = _pruning_study()
+    for lr in (0.2, 0.9, 0.1):
+        study.enqueue_trial({"lr": lr})
+    sweep = dask_ddp.sweep(
+        client, curve, study,
+        lambda t: {**lr_params(t), "hang_after": 1 if t.number == 1 else None},
+        n_trials=3, workers_per_trial=2, metric="val_loss", name="paged",
+    )  # fmt: skip
+    sweep.result(timeout=120)
+    base = client.dashboard_link.rsplit("/status", 1)[0] + "/ddp/"
+
+    def get(path: str) -> str:
+        with urllib.request.urlopen(base + path, timeout=10) as response:
+            return response.read().decode()
+
+    row = next(r for r in json.loads(get("api/sweeps"))["sweeps"] if r["sweep"] == sweep.sweep_id)
+    assert (row["name"], row["state"], row["n_trials"]) == ("paged", "succeeded", 3)
+    assert (row["complete"], row["pruned"], row["fail"], row["best_trial"]) == (2, 1, 0, 2)
+    assert row["best_value"] == pytest.approx(0.1)
+    listing = get("")
+    assert f"sweeps/{sweep.sweep_id}" in listing
+    trial_jobs = {t.job_id for t in sweep.trials}
+    assert not any(f"jobs/{job}" in listing for job in trial_jobs)  # on the sweep's page
+    page = html.unescape(get(f"sweeps/{sweep.sweep_id}"))
+    assert all(f"../jobs/{job}" in page for job in trial_jobs)
+    assert "pruned at step 1" in page and "trial 2" in page and "<svg" in page
+    assert "data-final" in get(f"sweeps/{sweep.sweep_id}/view")
+    state = json.loads(get(f"api/sweeps/{sweep.sweep_id}"))
+    assert [t["state"] for t in state["trials"]] == ["complete", "pruned", "complete"]
+    # dask_ddp.jobs names each trial's sweep; the notebook draws the same table.
+    listed = {j.job_id: j.sweep for j in dask_ddp.jobs(client)}
+    assert {listed[job] for job in trial_jobs} == {sweep.sweep_id}
+    notebook = html.unescape(sweep._repr_html_())
+    assert "3 of 3 trials done; best: trial 2" in notebook and "pruned at step 1" in notebook

@@ -533,6 +533,7 @@ def jobs(client: Client) -> list[JobInfo]:
             followers=row["followers"],
             detached=row["detached"],
             error=row["error"],
+            sweep=row.get("sweep"),
         )
         for row in calls.list_jobs(client)
     ]

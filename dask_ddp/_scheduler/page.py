@@ -2,12 +2,18 @@
 
 On the dashboard's HTTP server (the port of ``/status``, under its prefix):
 
-- ``/ddp/``: the jobs on the cluster (running, finished, failed; who launched them);
+- ``/ddp/``: the sweeps on the cluster (each a line: trials done, pruned, failed, the best
+  so far) and the jobs that are not a sweep's trials (running, finished, failed; who
+  launched them);
+- ``/ddp/sweeps/<id>``: one sweep, its trials grouped (state, value, pruned, each linked to
+  its job's page) and their curves, drawn as the notebook draws it
+  (:func:`dask_ddp._shared.view.render_sweep_html`), redrawn as it changes;
 - ``/ddp/jobs/<id>``: one job, drawn as the notebook draws it
   (:func:`dask_ddp._shared.view.render_html`),
   redrawn while it runs as soon as something it shows changes (a long poll: the page asks
   for the next change, the server answers when there is one, within a second either way);
-- ``/ddp/api/jobs`` and ``/ddp/api/jobs/<id>``: the same as JSON;
+- ``/ddp/api/jobs``, ``/ddp/api/jobs/<id>``, ``/ddp/api/sweeps`` and
+  ``/ddp/api/sweeps/<id>``: the same as JSON;
 - gauges on the scheduler's Prometheus ``/metrics`` (``dask_ddp_*``).
 
 The page is plain HTML, inline SVG and a few lines of script, so it works on a cluster
@@ -42,6 +48,7 @@ class Holder(Protocol):
 
     scheduler: Any  # distributed.Scheduler
     jobs: dict[str, Any]  # job id -> its supervisor (summary(), in launch order)
+    sweeps: dict[str, Any]  # sweep id -> its supervisor (public_state(), in launch order)
     max_jobs: int
     changes: Changes  # bumped by the supervisors when what the pages show changes
 
@@ -142,7 +149,35 @@ def row(job: dict[str, Any]) -> dict[str, Any]:
 
 def rows(plugin: Holder) -> list[dict[str, Any]]:
     """Every job's line, the newest launched first."""
-    return [row(job.summary()) for job in reversed(plugin.jobs.values())]
+    return [
+        {**row(job.summary()), "sweep": job.spec.sweep} for job in reversed(plugin.jobs.values())
+    ]
+
+
+def sweep_row(state: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's line in the list (``/ddp/api/sweeps``), from its supervisor's state."""
+    trials = state["trials"]
+    counts = {k: sum(t["state"] == k for t in trials) for k in ("complete", "pruned", "fail")}
+    best = next((t for t in trials if t["number"] == state.get("best")), None)
+    return {
+        "sweep": state["sweep"],
+        "name": state["name"],
+        "state": state["state"],
+        "n_trials": state["n_trials"],
+        "asked": len(trials),
+        "running": sum(t["state"] == "running" for t in trials),
+        **counts,
+        "metric": state["metric"],
+        "best_trial": None if best is None else best["number"],
+        "best_value": None if best is None else best["value"],
+        "launched_by": state.get("launched_by"),
+        "started": state.get("started"),
+    }
+
+
+def sweep_rows(plugin: Holder) -> list[dict[str, Any]]:
+    """Every sweep's line, the newest first."""
+    return [sweep_row(s.public_state()) for s in reversed(plugin.sweeps.values())]
 
 
 # -- pages -------------------------------------------------------------------------------
@@ -182,11 +217,32 @@ def _or_blank(value: Any, form: str | None = None) -> str:
     return "" if value is None else form.format(value) if form else view.fmt(value)
 
 
+def _sweep_line(r: dict[str, Any], base: str) -> str:
+    best = "" if r["best_trial"] is None else f" (trial {r['best_trial']})"
+    return (
+        f"<tr><td><a href='{base}sweeps/{html.escape(r['sweep'])}'>{html.escape(r['sweep'])}"
+        f"</a></td><td>{html.escape(r['name'])}</td>"
+        f"<td class='{html.escape(r['state'])}'>{html.escape(r['state'])}</td>"
+        f"<td>{r['complete'] + r['pruned'] + r['fail']} of {r['n_trials']}</td>"
+        f"<td>{r['running']}</td><td>{r['pruned']}</td><td>{r['fail']}</td>"
+        f"<td>{html.escape(r['metric'])} {_or_blank(r['best_value'])}{best}</td>"
+        f"<td>{html.escape(r['launched_by'] or '')}</td></tr>"
+    )
+
+
 def list_html(plugin: Holder, base: str = "") -> str:
     """The table of jobs. Its links are relative (``base``: the way from the page that shows
     it to ``/ddp/``, ``""`` on that page itself), so that they work wherever a proxy serves
     the dashboard (dask-gateway's ``/clusters/<name>/``, JupyterHub's
     ``/user/<name>/proxy/8787/``)."""
+    sweeps = "".join(_sweep_line(r, base) for r in sweep_rows(plugin))
+    sweeps_html = (
+        "<h2>dask-ddp sweeps</h2><table><tr><th>sweep</th><th>name</th><th>state</th>"
+        "<th>trials done</th><th>running</th><th>pruned</th><th>failed</th><th>best</th>"
+        f"<th>launched by</th></tr>{sweeps}</table>"
+        if sweeps
+        else ""
+    )
     table = "".join(
         f"<tr><td><a href='{base}jobs/{html.escape(r['job'])}'>{html.escape(r['job'])}</a></td>"
         f"<td>{html.escape(r['name'] or '')}</td>"
@@ -196,10 +252,11 @@ def list_html(plugin: Holder, base: str = "") -> str:
         f"<td>{html.escape(r['metric'] or '')} {_or_blank(r['value'])}</td>"
         f"<td>{r['attempts']}</td><td>{html.escape(r['error'] or '')}</td></tr>"
         for r in rows(plugin)
+        if r["sweep"] is None  # a sweep's trials are on its page
     )
     if not table:
         table = "<tr><td colspan='10'>No dask-ddp job has run on this cluster yet.</td></tr>"
-    return (
+    return sweeps_html + (
         "<h2>dask-ddp jobs</h2><table><tr><th>job</th><th>function</th><th>state</th>"
         "<th>ranks</th><th>launched by</th><th>step</th><th>steps/s</th><th>latest</th>"
         f"<th>attempts</th><th>error</th></tr>{table}</table>"
@@ -213,6 +270,16 @@ def _job_html(job: dict[str, Any]) -> str:
     return (
         f"<p{final}><a href='../'>all jobs</a> · {who} · attempts {job.get('attempts', 1)}"
         f"</p>{view.render_html(job)}"
+    )
+
+
+def _sweep_html(state: dict[str, Any]) -> str:
+    """One sweep, drawn on its page ``/ddp/sweeps/<id>`` (``../`` is the list)."""
+    final = " data-final='1'" if state["state"] in FINAL_STATES else ""
+    who = html.escape(f"launched by {state.get('launched_by') or '?'}")
+    return (
+        f"<p{final}><a href='../'>all jobs</a> · {who}</p>"
+        f"{view.render_sweep_html(state, link=lambda job: f'../jobs/{job}')}"
     )
 
 
@@ -287,6 +354,51 @@ class _JobPart(_Handler):
         await self._part(draw)
 
 
+class _SweepPage(_Handler):
+    def _sweep(self, sweep_id: str) -> dict[str, Any] | None:
+        sweep = self.plugin.sweeps.get(sweep_id)
+        if sweep is None:
+            self.set_status(404)
+            return None
+        return sweep.public_state()
+
+    def _no_sweep(self, sweep_id: str) -> str:
+        return f"No dask-ddp sweep {sweep_id!r} on this cluster."
+
+    def get(self, sweep_id: str) -> None:
+        seen = self.plugin.changes.count
+        state = self._sweep(sweep_id)
+        if state is None:
+            self.write(_page("no such sweep", f"<p>{html.escape(self._no_sweep(sweep_id))}</p>"))
+            return
+        url = f"{sweep_id}/view"
+        self.write(_page(f"dask-ddp sweep {sweep_id}", _sweep_html(state), url, seen))
+
+
+class _SweepPart(_SweepPage):
+    async def get(self, sweep_id: str) -> None:  # type: ignore[override]
+        def draw() -> str:
+            state = self._sweep(sweep_id)
+            if state is None:
+                return f"<p data-final='1'>{html.escape(self._no_sweep(sweep_id))}</p>"
+            return _sweep_html(state)
+
+        await self._part(draw)
+
+
+class _SweepsApi(_Handler):
+    def get(self) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps({"sweeps": sweep_rows(self.plugin)}))
+
+
+class _SweepApi(_SweepPage):
+    def get(self, sweep_id: str) -> None:
+        self.set_header("Content-Type", "application/json")
+        state = self._sweep(sweep_id)
+        self.write(json.dumps(state if state is not None else {"error": self._no_sweep(sweep_id)}))
+
+
 class _JobsApi(_Handler):
     def get(self) -> None:
         self.set_header("Content-Type", "application/json")
@@ -313,6 +425,10 @@ def _application(plugin: Holder, prefix: str) -> web.Application:
             (base + "jobs/" + job + "/view", _JobPart, kw),
             (base + "api/jobs/?", _JobsApi, kw),
             (base + "api/jobs/" + job, _JobApi, kw),
+            (base + "sweeps/" + job, _SweepPage, kw),
+            (base + "sweeps/" + job + "/view", _SweepPart, kw),
+            (base + "api/sweeps/?", _SweepsApi, kw),
+            (base + "api/sweeps/" + job, _SweepApi, kw),
         ]
     )
 

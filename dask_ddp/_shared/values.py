@@ -276,6 +276,8 @@ class JobInfo:
         Launched with ``detach=True``: it runs to its end with no client.
     error : str or None
         Its error in one line, once it failed.
+    sweep : str or None
+        The sweep it is a trial of (:func:`dask_ddp.sweep`), by id.
 
     Examples
     --------
@@ -294,6 +296,7 @@ class JobInfo:
     followers: int
     detached: bool
     error: str | None = None
+    sweep: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -238,9 +238,10 @@ def render_html(snap: dict[str, Any]) -> str:
     )
 
 
-def render_sweep_html(state: dict[str, Any]) -> str:
+def render_sweep_html(state: dict[str, Any], link: Callable[[str], str] | None = None) -> str:
     """A sweep as static HTML (its state as the scheduler tells it): the title with the best
-    trial so far, a row per trial, and each trial's curve of the sweep's metric."""
+    trial so far, a row per trial (``link(job_id)``: where its job's page is, on the
+    ``/ddp/`` pages), and each trial's curve of the sweep's metric."""
     trials = state["trials"]
     done = sum(t["state"] in ("complete", "pruned", "fail") for t in trials)
     best = next((t for t in trials if t["number"] == state.get("best")), None)
@@ -259,8 +260,12 @@ def render_sweep_html(state: dict[str, Any]) -> str:
         value = t["value"] if t["value"] is not None else t["latest"]
         detail = t["error"] or (f"pruned at step {t['pruned_at']}" if t["pruned_at"] else "")
         mark = " &#9733;" if best is not None and t["number"] == best["number"] else ""
+        number = str(t["number"])
+        if link is not None and t["job_id"]:
+            number = f"<a href='{html.escape(link(t['job_id']))}'>{number}</a>"
         rows.append(
-            f"<tr><td>{t['number']}{mark}</td><td>{t['state']}</td><td>{params}</td>"
+            f"<tr><td>{number}{mark}</td><td class='{t['state']}'>{t['state']}</td>"
+            f"<td>{params}</td>"
             f"<td>{'' if value is None else fmt(value)}</td>"
             f"<td>{'' if t['step'] is None else t['step']}</td>"
             f"<td>{html.escape(_short(detail, 120))}</td></tr>"
