@@ -21,6 +21,7 @@ def test_notebooks_are_found_and_stored_without_outputs() -> None:
     assert [p.name for p in NOTEBOOKS] == [
         "01-quickstart.ipynb",
         "02-s3-transfer-learning.ipynb",
+        "03-sweep.ipynb",
     ]
     for path in NOTEBOOKS:
         assert not _outputs(nbformat.read(path, as_version=4)), f"{path.name} has outputs"

@@ -251,7 +251,7 @@ def render_sweep_html(state: dict[str, Any], link: Callable[[str], str] | None =
         else ""
     )
     title = (
-        f"<b>sweep {html.escape(state['name'])}</b> ({state['sweep']}): {state['state']}, "
+        f"<b>dask_ddp sweep {html.escape(state['name'])}</b> ({state['sweep']}): {state['state']}, "
         f"{done} of {state['n_trials']} trials done{best_text}"
     )
     rows = []
