@@ -84,6 +84,8 @@ _BLOCKS = (
         before="client = notebook_client",
         replace=(('"s3://bucket/nightly"', "nightly_dir"),),
     ),
+    # A sweep: `client` is the notebook's, as in the jobs block.
+    _Block(holds="sweep = dask_ddp.sweep(client, fit, study,", before="client = notebook_client"),
     # Migrating from dask-pytorch-ddp: `train` and `cfg` are such a user's.
     _Block(
         holds="futures = dispatch.run(client, train, cfg, backend=",
@@ -161,6 +163,11 @@ def test_readme_python_blocks_run(
             assert job.name == "nightly"
             assert job.result() == [0, 1]
             assert "nightly" in [j.name for j in dask_ddp.jobs(client)]
+        elif block is _BLOCKS[2]:
+            sweep = namespace["sweep"]
+            assert sweep.state == "succeeded" and len(sweep.trials) == 8
+            best = dask_ddp.attach(client, "lr-search").best_trial
+            assert best is not None and capsys.readouterr().out.strip() == str(best.params)
         else:
             assert client.gather(namespace["futures"]) == [(0, 0, 3), (1, 1, 3)]
     namespace.clear()  # the futures and jobs it holds
