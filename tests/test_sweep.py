@@ -320,3 +320,76 @@ def test_the_page_groups_a_sweep_s_trials(client: Client) -> None:
     assert {listed[job] for job in trial_jobs} == {sweep.sweep_id}
     notebook = html.unescape(sweep._repr_html_())
     assert "3 of 3 trials done; best: trial 2" in notebook and "pruned at step 1" in notebook
+
+
+def held_at_3(lr: float, go: str, steps: int = 6) -> dict:
+    """Checkpoints each step and waits at step 3 until ``go`` exists; where it started."""
+    state = dask_ddp.get_checkpoint()
+    start = 0 if state is None else state["step"] + 1
+    for step in range(start, steps):
+        dask_ddp.report({"val_loss": lr * (steps - step)}, step=step)
+        dask_ddp.save_checkpoint(
+            {"step": step},
+            step=step,
+        ).wait()
+        while step == 3 and not os.path.exists(go):
+            time.sleep(0.05)
+    return {"start": start}
+
+
+@pytest.mark.slow
+def test_a_named_sweep_resumes_its_durable_study_after_its_scheduler_went(
+    tmp_path: Path,
+) -> None:
+    # A sweep on a JournalStorage file: its first cluster closes (scheduler and all) while
+    # two trials wait at step 3 and the third waits for a worker. The same call on a new
+    # cluster resumes the study: the three cut-off trials run again, each from its own
+    # checkpoint (the third had none).
+    journal = str(tmp_path / "journal.log")
+    go = tmp_path / "go"
+
+    def run(client: Client) -> dask_ddp.Sweep:
+        storage = optuna.storages.JournalStorage(
+            optuna.storages.journal.JournalFileBackend(journal)
+        )
+        study = optuna.create_study(study_name="resumed", storage=storage, load_if_exists=True)
+        return dask_ddp.sweep(
+            client, held_at_3, study, lr_params, n_trials=3, metric="val_loss", name="resumed",
+            kwargs={"go": str(go)}, checkpoint_dir=str(tmp_path / "ckpt"),
+        )  # fmt: skip
+
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        first = run(client)
+        deadline = time.monotonic() + 60
+        while [t.step for t in first.trials[:2]] != [3, 3]:
+            assert time.monotonic() < deadline, first.trials
+            time.sleep(0.1)
+    go.touch()
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        again = run(client)
+        best = again.result(timeout=120)
+        assert again.resumed == (0, 3)
+        trials = again.trials
+        assert [t.state for t in trials] == ["complete"] * 3
+        starts = sorted(again.jobs[t.number].result()[0]["start"] for t in trials)
+        assert starts == [0, 4, 4]  # the two cut off resumed after step 3's checkpoint
+    study = optuna.load_study(
+        study_name="resumed",
+        storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal)),
+    )
+    states = [t.state.name for t in study.trials]
+    assert states == ["FAIL"] * 3 + ["COMPLETE"] * 3, states
+    assert {t.user_attrs["dask_ddp_runs_again"] for t in study.trials[3:]} == {0, 1, 2}
+    for t in study.trials[3:]:
+        assert t.params == study.trials[t.user_attrs["dask_ddp_runs_again"]].params
+    assert best.number == study.best_trial.number

@@ -295,6 +295,13 @@ class Sweep:
         return self._merged_study
 
     @property
+    def resumed(self) -> tuple[int, int]:
+        """A named sweep on a study that has an earlier sweep of its name (its scheduler
+        went, or it was cancelled): (trials of it that ended, counted toward ``n_trials``;
+        trials it cut off, which this one runs again first, from their checkpoints)."""
+        return self._state.get("before", 0), self._state.get("resumed", 0)
+
+    @property
     def done(self) -> bool:
         return self.state in _FINAL
 

@@ -165,6 +165,7 @@ def sweep_row(state: dict[str, Any]) -> dict[str, Any]:
         "state": state["state"],
         "n_trials": state["n_trials"],
         "asked": len(trials),
+        "before": state.get("before", 0),  # ended in an earlier sweep of its name
         "running": sum(t["state"] == "running" for t in trials),
         **counts,
         "metric": state["metric"],
@@ -223,7 +224,7 @@ def _sweep_line(r: dict[str, Any], base: str) -> str:
         f"<tr><td><a href='{base}sweeps/{html.escape(r['sweep'])}'>{html.escape(r['sweep'])}"
         f"</a></td><td>{html.escape(r['name'])}</td>"
         f"<td class='{html.escape(r['state'])}'>{html.escape(r['state'])}</td>"
-        f"<td>{r['complete'] + r['pruned'] + r['fail']} of {r['n_trials']}</td>"
+        f"<td>{r['complete'] + r['pruned'] + r['fail'] + r['before']} of {r['n_trials']}</td>"
         f"<td>{r['running']}</td><td>{r['pruned']}</td><td>{r['fail']}</td>"
         f"<td>{html.escape(r['metric'])} {_or_blank(r['best_value'])}{best}</td>"
         f"<td>{html.escape(r['launched_by'] or '')}</td></tr>"

@@ -170,7 +170,6 @@ class DaskDDPPlugin(SchedulerPlugin):
     async def before_close(self) -> None:
         for sweep in list(self.sweeps.values()):
             sweep.cancel("the scheduler is closing")
-            sweep.close()
         for job in list(self.jobs.values()):
             job.cancel("the scheduler is closing")
         if self._connecting is not None and not self._connecting.done():
@@ -236,12 +235,10 @@ class DaskDDPPlugin(SchedulerPlugin):
         except DaskDDPError as exc:
             await sweep.until_done()
             self.sweeps.pop(spec.sweep_id, None)
-            sweep.close()
             return {"refused": to_wire(exc)}
         except Exception as exc:  # the study did not unpickle, or asking it failed
             await sweep.until_done()
             self.sweeps.pop(spec.sweep_id, None)
-            sweep.close()
             cause = SweepStudyError(spec.sweep_id, f"{type(exc).__name__}: {exc}")
             return {"refused": to_wire(cause)}
         return {"state": sweep.public_state()}

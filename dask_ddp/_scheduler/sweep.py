@@ -19,6 +19,12 @@ forgets it. It decides, in one place each:
 - **when to prune**: the study's pruner is asked after each batch of steps; a prune cancels
   the trial's job, which stops every rank at once and gives its workers back.
 
+A named sweep **resumes** its study (:meth:`SweepSupervisor._resume`): the trials of an
+earlier sweep of its name that ended count toward ``n_trials``, and those it cut off
+(running when its scheduler went, or stopped by its end) run again first, each from its
+own checkpoint directory. With a durable storage, the same call after a scheduler's
+restart goes on where the sweep was.
+
 The study and ``params()`` come pickled from the client and are unpickled, asked and told
 in the sweep's own thread (one, so the study sees its calls in order): the one place a
 user's code and Optuna run on the scheduler, never on its event loop.
@@ -48,6 +54,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# The user attributes a sweep sets on its trials: a named sweep's name, a trial stopped
+# because its sweep stopped, and, on a trial that runs such a one again, the number whose
+# checkpoint directory it resumes from and the number it runs again.
+_NAME, _CUT_OFF, _RESUMES, _AGAIN = (
+    "dask_ddp_sweep_name", "dask_ddp_cut_off", "dask_ddp_resumes", "dask_ddp_runs_again",
+)  # fmt: skip
 _CURVE_POINTS = 64  # each trial's curve as the views draw it, at most
 _PUBLISH_EVERY = 0.1  # seconds: a sweep's state goes out at most this often while it runs
 
@@ -73,6 +85,8 @@ class SweepSupervisor:
         self.trials: dict[int, TrialInfo] = {}
         self.direction: str | None = None
         self.best: int | None = None  # the best trial's number so far
+        self.before = 0  # trials of a sweep of this name that ended before it (_resume)
+        self.resumed = 0  # trials cut off before that it runs again
         self.started = time.time()
         self.finished: float | None = None
         self._jobs: dict[str, int] = {}  # trial job id -> trial number
@@ -116,10 +130,6 @@ class SweepSupervisor:
             self._stop_trials(f"the sweep was cancelled: {reason}")
             self._wake.set()
 
-    def close(self) -> None:
-        """The scheduler closes: the sweep's thread goes."""
-        self._thread.shutdown(wait=False, cancel_futures=True)
-
     async def _run(self) -> None:
         try:
             await self._call(self._load)
@@ -160,14 +170,14 @@ class SweepSupervisor:
         return (
             self.error is None
             and self.cancel_reason is None
-            and len(self.trials) < self.spec.n_trials
+            and len(self.trials) + self.before < self.spec.n_trials
             and not self._launching
             and not any(t.state == "waiting" for t in self.trials.values())
         )
 
     def _over(self) -> bool:
         return all(t.final for t in self.trials.values()) and (
-            len(self.trials) >= self.spec.n_trials or self.cancel_reason is not None
+            len(self.trials) + self.before >= self.spec.n_trials or self.cancel_reason is not None
         )
 
     def _stop_trials(self, reason: str) -> None:
@@ -179,8 +189,8 @@ class SweepSupervisor:
     async def _start_trial(self) -> None:
         self._launching = True
         try:
-            number, params, kwargs = await self._call(self._ask)
-            spec = self._trial_spec(number, kwargs)
+            number, params, kwargs, resumes = await self._call(self._ask)
+            spec = self._trial_spec(number, kwargs, resumes)
             self.trials[number] = TrialInfo(number, "waiting", spec.job_id, params)
             self._jobs[spec.job_id] = number
             self._publish_soon()
@@ -197,11 +207,15 @@ class SweepSupervisor:
         if self.cancel_reason is not None or self.error is not None:
             self._stop_trials("the sweep is stopping")
 
-    def _trial_spec(self, number: int, kwargs: dict[str, Any]) -> Any:
+    def _trial_spec(self, number: int, kwargs: dict[str, Any], resumes: int | None) -> Any:
+        """Trial ``number``'s job; one that runs a cut-off trial again (``resumes``) has that
+        trial's checkpoint directory, and resumes from its last checkpoint."""
         base = self.spec.trial
         directory = base.checkpoint_dir
         if directory is not None:
-            directory = f"{directory.rstrip('/')}/trial-{number:04d}"
+            directory = (
+                f"{directory.rstrip('/')}/trial-{number if resumes is None else resumes:04d}"
+            )
         return dataclasses.replace(
             base,
             job_id=uuid.uuid4().hex[:12],
@@ -265,8 +279,16 @@ class SweepSupervisor:
             job.cancel(f"pruned at step {step} by the study's {pruner}")
 
     async def _end_trial(self, job: Supervisor, number: int) -> None:
-        state, value, error = self._outcome(job, self.trials[number])
-        best = await self._call(self._tell, number, state, value, error)
+        record = self.trials[number]
+        state, value, error = self._outcome(job, record)
+        # Stopped because the sweep stopped (cancelled, failed, its scheduler closing): a
+        # later sweep of the same name runs it again (_load).
+        cut_off = (
+            job.state is JobState.CANCELLED
+            and record.pruned_at is None
+            and (self.cancel_reason is not None or self.error is not None)
+        )
+        best = await self._call(self._tell, number, state, value, error, cut_off)
         self.best = best
         self._set(number, state=state, value=value, error=error, ended=time.time())
         self._wake.set()
@@ -297,12 +319,45 @@ class SweepSupervisor:
     def _load(self) -> None:
         self._study, self._params = cloudpickle.loads(self.spec.study)
         self.direction = self._study.direction.name.lower()
+        if self.spec.named:
+            self._resume()
         try:
             self.best = self._study.best_trial.number
         except ValueError:  # no complete trial yet
             self.best = None
 
-    def _ask(self) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    def _resume(self) -> None:
+        """A named sweep whose study already has trials of a sweep of that name (its
+        scheduler restarted, with a durable storage; or it was cancelled): those that ended
+        count toward ``n_trials``, and those cut off (left running by a scheduler that went,
+        or stopped by their sweep's end) run again first, from their checkpoints."""
+        TrialState = _trial_state(None)
+        mine = [
+            t
+            for t in self._study.get_trials(deepcopy=False)
+            if t.user_attrs.get(_NAME) == self.spec.name
+        ]
+        again = {t.user_attrs.get(_AGAIN) for t in mine}
+        cut = [
+            t
+            for t in mine
+            if (t.state is TrialState.RUNNING or t.user_attrs.get(_CUT_OFF))
+            and t.number not in again
+        ]
+        self.before = sum(t.state.is_finished() and not t.user_attrs.get(_CUT_OFF) for t in mine)
+        for t in cut:
+            if t.state is TrialState.RUNNING:
+                self._study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+            first = t.user_attrs.get(_RESUMES, t.number)  # its checkpoints' directory
+            self._study.enqueue_trial(t.params, user_attrs={_RESUMES: first, _AGAIN: t.number})
+        self.resumed = len(cut)
+        if mine:
+            logger.info(
+                "dask-ddp sweep %s (%s): %d trials of this name ended before, %d cut off run "
+                "again", self.sweep_id, self.spec.name, self.before, len(cut),
+            )  # fmt: skip
+
+    def _ask(self) -> tuple[int, dict[str, Any], dict[str, Any], int | None]:
         trial = self._study.ask()
         try:
             kwargs = self._params(trial)
@@ -317,8 +372,10 @@ class SweepSupervisor:
                 self.sweep_id, trial.number, f"it returned a {type(kwargs).__name__}"
             )
         trial.set_user_attr("dask_ddp_sweep", self.sweep_id)
+        if self.spec.named:
+            trial.set_user_attr(_NAME, self.spec.name)
         self._live[trial.number] = trial
-        return trial.number, dict(trial.params), kwargs
+        return trial.number, dict(trial.params), kwargs, trial.user_attrs.get(_RESUMES)
 
     def _tell_points(self, number: int, points: list[list[float]]) -> tuple[bool, int | None]:
         trial = self._live.get(number)
@@ -336,11 +393,16 @@ class SweepSupervisor:
         self._told_step[number] = last
         return bool(trial.should_prune()), last
 
-    def _tell(self, number: int, state: str, value: float | None, error: str | None) -> int | None:
+    def _tell(
+        self, number: int, state: str, value: float | None, error: str | None,
+        cut_off: bool = False,
+    ) -> int | None:  # fmt: skip
         trial = self._live.pop(number, None)
         if trial is not None:
             if error is not None:
                 trial.set_user_attr("dask_ddp_error", error)
+            if cut_off:
+                trial.set_user_attr(_CUT_OFF, True)
             if state == "complete":
                 self._study.tell(trial, value)
             else:
@@ -396,6 +458,8 @@ class SweepSupervisor:
             "metric": self.spec.metric,
             "direction": self.direction,
             "best": self.best,
+            "before": self.before,
+            "resumed": self.resumed,
             "error": errors.to_wire(self.error) if self.error is not None else None,
             "cancel_reason": self.cancel_reason,
             "trials": [self.trials[n].to_wire() for n in sorted(self.trials)],
@@ -417,7 +481,8 @@ class SweepSupervisor:
             self._soon = asyncio.get_running_loop().call_later(_PUBLISH_EVERY, self._publish)
 
 
-def _trial_state(name: str) -> Any:
+def _trial_state(name: str | None) -> Any:
+    """Optuna's ``TrialState[name]`` (the enum itself for None): imported in the thread."""
     from optuna.trial import TrialState
 
-    return TrialState[name]
+    return TrialState if name is None else TrialState[name]

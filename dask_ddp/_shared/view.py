@@ -243,7 +243,10 @@ def render_sweep_html(state: dict[str, Any], link: Callable[[str], str] | None =
     trial so far, a row per trial (``link(job_id)``: where its job's page is, on the
     ``/ddp/`` pages), and each trial's curve of the sweep's metric."""
     trials = state["trials"]
-    done = sum(t["state"] in ("complete", "pruned", "fail") for t in trials)
+    # trials of a sweep of this name that ended before it (it resumed them) count too
+    done = sum(t["state"] in ("complete", "pruned", "fail") for t in trials) + state.get(
+        "before", 0
+    )
     best = next((t for t in trials if t["number"] == state.get("best")), None)
     best_text = (
         f"; best: trial {best['number']}, {html.escape(state['metric'])} = {fmt(best['value'])}"
