@@ -177,7 +177,9 @@ class SweepSupervisor:
 
     def _over(self) -> bool:
         return all(t.final for t in self.trials.values()) and (
-            len(self.trials) + self.before >= self.spec.n_trials or self.cancel_reason is not None
+            len(self.trials) + self.before >= self.spec.n_trials
+            or self.cancel_reason is not None
+            or self.error is not None
         )
 
     def _stop_trials(self, reason: str) -> None:
@@ -288,10 +290,14 @@ class SweepSupervisor:
             and record.pruned_at is None
             and (self.cancel_reason is not None or self.error is not None)
         )
-        best = await self._call(self._tell, number, state, value, error, cut_off)
-        self.best = best
-        self._set(number, state=state, value=value, error=error, ended=time.time())
-        self._wake.set()
+        try:
+            self.best = await self._call(self._tell, number, state, value, error, cut_off)
+        except Exception as exc:  # the study refused it: the trial ends all the same
+            state, value, error = "fail", None, f"the study could not be told: {first_line(exc)}"
+            raise
+        finally:
+            self._set(number, state=state, value=value, error=error, ended=time.time())
+            self._wake.set()
 
     def _outcome(self, job: Supervisor, record: TrialInfo) -> tuple[str, float | None, str | None]:
         """How a trial whose job ended is told: its Optuna state, value and error."""
