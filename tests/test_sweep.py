@@ -7,7 +7,9 @@ from __future__ import annotations
 import html
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -393,3 +395,45 @@ def test_a_named_sweep_resumes_its_durable_study_after_its_scheduler_went(
     for t in study.trials[3:]:
         assert t.params == study.trials[t.user_attrs["dask_ddp_runs_again"]].params
     assert best.number == study.best_trial.number
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium package")
+def test_the_sweep_s_page_in_a_real_browser(client: Client, tmp_path: Path) -> None:
+    """Headless Chromium follows a sweep's page live: its long poll redraws the trials as
+    they go on, until the sweep ends and the script stops asking (then the browser hands
+    over the DOM it drew, saved under artifacts/)."""
+    go = tmp_path / "go"
+    sweep = dask_ddp.sweep(
+        client, held_at_3, optuna.create_study(), lr_params, n_trials=3, metric="val_loss",
+        name="browsed", kwargs={"go": str(go)}, checkpoint_dir=str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while [t.step for t in sweep.trials[:2]] != [3, 3]:
+        assert time.monotonic() < deadline, sweep.trials
+        time.sleep(0.1)
+    url = client.dashboard_link.rsplit("/status", 1)[0] + f"/ddp/sweeps/{sweep.sweep_id}"
+    browser = subprocess.Popen(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000",
+         "--dump-dom", url],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(2)  # the page loaded, its first request waits for a change
+        assert browser.poll() is None, "the browser stopped while the sweep ran"
+        go.touch()
+        dom, _ = browser.communicate(timeout=120)
+    finally:
+        browser.kill()
+        go.touch()
+    sweep.result(timeout=120)
+    artifacts = Path(os.environ.get("DASK_DDP_ARTIFACTS", Path(__file__).parents[1] / "artifacts"))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    (artifacts / "dashboard-sweep.html").write_text(dom)
+    assert "dask_ddp sweep browsed" in dom and "3 of 3 trials done" in dom, dom[-2000:]
+    assert "succeeded" in dom and "data-final" in dom and "<svg" in dom
