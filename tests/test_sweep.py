@@ -207,6 +207,26 @@ def test_trials_of_different_sizes_share_one_cluster(client: Client) -> None:
     assert {j.world_size for j in narrow.jobs.values()} == {1}
 
 
+def test_launch_s_options_reach_each_trial(client: Client, tmp_path: Path) -> None:
+    # ranks_per_worker, backend and checkpoint_dir (a prefix: a directory per trial) are
+    # each trial's job's.
+    def ranks(lr: float) -> dict:
+        ctx = dask_ddp.get_context()
+        dask_ddp.save_checkpoint({"lr": lr}, step=0)
+        dask_ddp.report({"val_loss": lr}, step=0)
+        return {"world": ctx.world_size, "local": ctx.local_world_size, "backend": ctx.backend}
+
+    sweep = dask_ddp.sweep(
+        client, ranks, optuna.create_study(), lr_params, n_trials=2, metric="val_loss",
+        ranks_per_worker=2, backend="gloo", checkpoint_dir=str(tmp_path),
+    )  # fmt: skip
+    sweep.result(timeout=120)
+    for t in sweep.trials:
+        assert sweep.jobs[t.number].result() == [{"world": 2, "local": 2, "backend": "gloo"}] * 2
+        assert t.value == pytest.approx(t.params["lr"])
+        assert (tmp_path / f"trial-{t.number:04d}").is_dir()
+
+
 def test_cancel_stops_the_running_trials(client: Client) -> None:
     sweep = dask_ddp.sweep(
         client, curve, optuna.create_study(), lr_params, n_trials=10, metric="val_loss",
@@ -267,12 +287,7 @@ def test_a_worker_lost_mid_trial_restarts_it_from_its_checkpoint(
 
 @pytest.mark.slow
 def test_an_adaptive_cluster_grows_for_a_sweep() -> None:
-    with (
-        LocalCluster(
-            n_workers=0, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with _cluster(0) as cluster, Client(cluster) as client:
         cluster.adapt(minimum=0, maximum=2, interval="200ms")
         seen: set[str] = set()
         sweep = dask_ddp.sweep(
@@ -339,6 +354,20 @@ def held_at_3(lr: float, go: str, steps: int = 6) -> dict:
     return {"start": start}
 
 
+def _until_held(sweep: dask_ddp.Sweep) -> None:
+    """Wait until the sweep's first two trials wait at step 3 (``held_at_3``)."""
+    deadline = time.monotonic() + 60
+    while [t.step for t in sweep.trials[:2]] != [3, 3]:
+        assert time.monotonic() < deadline, sweep.trials
+        time.sleep(0.1)
+
+
+def _cluster(n_workers: int) -> LocalCluster:
+    return LocalCluster(
+        n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+    )
+
+
 @pytest.mark.slow
 def test_a_named_sweep_resumes_its_durable_study_after_its_scheduler_went(
     tmp_path: Path,
@@ -360,24 +389,10 @@ def test_a_named_sweep_resumes_its_durable_study_after_its_scheduler_went(
             kwargs={"go": str(go)}, checkpoint_dir=str(tmp_path / "ckpt"),
         )  # fmt: skip
 
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        first = run(client)
-        deadline = time.monotonic() + 60
-        while [t.step for t in first.trials[:2]] != [3, 3]:
-            assert time.monotonic() < deadline, first.trials
-            time.sleep(0.1)
+    with _cluster(2) as cluster, Client(cluster) as client:
+        _until_held(run(client))
     go.touch()
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with _cluster(2) as cluster, Client(cluster) as client:
         again = run(client)
         best = again.result(timeout=120)
         assert again.resumed == (0, 3)
@@ -412,10 +427,7 @@ def test_the_sweep_s_page_in_a_real_browser(client: Client, tmp_path: Path) -> N
         client, held_at_3, optuna.create_study(), lr_params, n_trials=3, metric="val_loss",
         name="browsed", kwargs={"go": str(go)}, checkpoint_dir=str(tmp_path / "ckpt"),
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while [t.step for t in sweep.trials[:2]] != [3, 3]:
-        assert time.monotonic() < deadline, sweep.trials
-        time.sleep(0.1)
+    _until_held(sweep)
     url = client.dashboard_link.rsplit("/status", 1)[0] + f"/ddp/sweeps/{sweep.sweep_id}"
     browser = subprocess.Popen(
         [_chromium(), "--headless", "--no-sandbox", "--disable-gpu",

@@ -428,38 +428,15 @@ def _launch(
     args: Sequence[Any],
     kwargs: Mapping[str, Any] | None,
     *,
-    pass_local_rank: bool,
-    init_process_group: bool,
-    workers: int | Sequence[str] | None = None,
-    backend: str | None = None,
-    timeout: TimeoutLike | None = None,
-    min_workers: int | None = None,
-    ranks_per_worker: int | str = 1,
     on_report: Callable[[MetricRecord], Any] | None = None,
     on_output: Callable[[OutputLine], Any] | None = None,
-    max_restarts: int = 0,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    keep_last: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    checkpoint_mode: str | None = None,
-    datasets: Mapping[str, Any] | None = None,
-    total_steps: int | None = None,
-    name: str | None = None,
-    detach: bool = False,
-    adaptive: bool | None = None,
-    stall_timeout: TimeoutLike | None = None,
+    **options: Any,
 ) -> Job:
-    spec, persisted = job_spec(
-        client, fn, args, kwargs, pass_local_rank=pass_local_rank,
-        init_process_group=init_process_group, workers=workers, backend=backend,
-        timeout=timeout, min_workers=min_workers, ranks_per_worker=ranks_per_worker,
-        max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
-        storage_options=storage_options, checkpoint_mode=checkpoint_mode, datasets=datasets,
-        total_steps=total_steps, name=name, detach=detach, adaptive=adaptive,
-        stall_timeout=stall_timeout,
-    )  # fmt: skip
+    """Launch the job ``job_spec`` builds from ``options`` (the public functions' own, by
+    name), and follow it with ``on_report`` and ``on_output``."""
+    spec, persisted = job_spec(client, fn, args, kwargs, **options)
     model = JobModel(spec.job_id, spec.name)
-    model.total_steps = total_steps
+    model.total_steps = spec.total_steps
     reader = EventReader(client, model, on_report=on_report, on_output=on_output)
     try:
         # The cluster subscribes this client too, before any rank reports.
