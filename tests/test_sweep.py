@@ -171,6 +171,13 @@ def test_the_sweep_outlives_its_client_and_attach_reads_the_best(
     # The launching client is gone; the sweep goes on in the cluster.
     sweep = dask_ddp.attach(client, "outlives")
     assert isinstance(sweep, dask_ddp.Sweep)
+    assert isinstance(dask_ddp.attach(client, sweep.sweep_id), dask_ddp.Sweep)
+    # A sweep without name= is named after its function: that name still finds its jobs.
+    unnamed = dask_ddp.sweep(client, curve, optuna.create_study(), lr_params, n_trials=1,
+                             metric="val_loss")  # fmt: skip
+    unnamed.result(timeout=60)
+    dask_ddp.launch(client, curve, kwargs={"lr": 0.1}).result(timeout=60)
+    assert isinstance(dask_ddp.attach(client, "curve"), dask_ddp.Job)
     best = sweep.result(timeout=120)
     assert [t.state for t in sweep.trials] == ["complete"] * 4
     assert best.value == min(t.value for t in sweep.trials)

@@ -77,7 +77,7 @@ def sweep(
     (:func:`dask_ddp.report`) are the trial's intermediate values, and the study's pruner is
     asked after each: a prune stops every rank of the trial at once and its workers take
     the next. The sweep lives in the cluster: it goes on if this client leaves, and
-    :func:`dask_ddp.attach` finds it again by name.
+    :func:`dask_ddp.attach` finds it again by its ``name=`` (or its id).
 
     Parameters
     ----------

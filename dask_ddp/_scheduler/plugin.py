@@ -258,10 +258,12 @@ class DaskDDPPlugin(SchedulerPlugin):
         return {"trials": await found.frozen_trials()}
 
     def find_sweep(self, sweep: str) -> SweepSupervisor | None:
-        """The sweep of id ``sweep``, else the newest of that name (a running one first)."""
+        """The sweep of id ``sweep``, else the newest given that name (``name=``; a running
+        one first). A sweep named after its function only is found by id: a job of that
+        function's name is what the name finds."""
         if sweep in self.sweeps:
             return self.sweeps[sweep]
-        named = [s for s in self.sweeps.values() if s.spec.name == sweep]
+        named = [s for s in self.sweeps.values() if s.spec.named and s.spec.name == sweep]
         running = [s for s in named if not s.final]
         return (running or named or [None])[-1]
 
