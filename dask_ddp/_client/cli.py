@@ -820,17 +820,35 @@ def _exit_now(code: int, scratch: str, cluster: Any = None) -> None:
         nanny.status = Status.closing  # what Nanny.close() sets first: no restart
     # The spawn context's resource tracker goes last, and at once before the exit: this
     # process, reaping its workers, still tells it what they left, and a tracker killed
-    # earlier is started again to hear that (printing a traceback for each name).
+    # earlier is started again to hear that (printing a traceback for each name). Nothing
+    # may tell it anything once it is killed: a semaphore of a nanny's collected by then
+    # (in any thread) started a new tracker that printed a KeyError traceback for each
+    # name (twice in about ten runs of test_cli's Ctrl-C test), so the module's public
+    # functions do nothing from then on; the exit follows at once.
     children = psutil.Process().children(recursive=True)
     trackers = [c for c in children if _is_resource_tracker(c)]
     _kill_and_wait([c for c in children if c not in trackers], _EXIT_WAIT)
+    shutil.rmtree(scratch, ignore_errors=True)
+    _silence_resource_tracker()
     for child in trackers:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    shutil.rmtree(scratch, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _silence_resource_tracker() -> None:
+    """From now on this process tells multiprocessing's resource tracker nothing (and never
+    starts one): ``register``, ``unregister`` and ``ensure_running``, the functions of
+    ``multiprocessing.resource_tracker`` that its users call, do nothing."""
+    from multiprocessing import resource_tracker
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    for name in ("register", "unregister", "ensure_running"):
+        setattr(resource_tracker, name, nothing)
 
 
 def _is_resource_tracker(process: Any) -> bool:
