@@ -232,15 +232,12 @@ class DaskDDPPlugin(SchedulerPlugin):
         sweep.start()
         try:
             await sweep.first_trial()
-        except DaskDDPError as exc:
+        except Exception as exc:
             await sweep.until_done()
             self.sweeps.pop(spec.sweep_id, None)
+            if not isinstance(exc, DaskDDPError):  # the study did not unpickle, or ask failed
+                exc = SweepStudyError(spec.sweep_id, f"{type(exc).__name__}: {exc}")
             return {"refused": to_wire(exc)}
-        except Exception as exc:  # the study did not unpickle, or asking it failed
-            await sweep.until_done()
-            self.sweeps.pop(spec.sweep_id, None)
-            cause = SweepStudyError(spec.sweep_id, f"{type(exc).__name__}: {exc}")
-            return {"refused": to_wire(cause)}
         return {"state": sweep.public_state()}
 
     async def _handle_sweep_cancel(self, sweep: str, reason: str) -> dict[str, Any]:
