@@ -582,6 +582,37 @@ def test_a_worker_killed_mid_request_leaves_the_template_forking() -> None:
         server.stop()
 
 
+OWNER_KILLED = """
+import sys
+from dask_ddp._rank import forkserver
+server = forkserver.start([])
+print(server.address, server.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_template_whose_owner_was_killed_removes_its_socket_and_folder() -> None:
+    # A worker's process killed (a nanny's kill, OOM) never calls stop(): each one left a
+    # dask-ddp-* folder in the temporary directory, hundreds in a day of the suite.
+    import psutil
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER_KILLED],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address, pid = owner.stdout.readline().split()
+        server = psutil.Process(int(pid))
+        assert os.path.exists(address)
+    finally:
+        owner.kill()
+        owner.wait(30)
+    server.wait(60)  # it sees its owner's pipe close, after its imports
+    assert not os.path.exists(os.path.dirname(address))
+
+
 def _sleeps(fds: list[int]) -> None:
     time.sleep(60)
 

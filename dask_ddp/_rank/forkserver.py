@@ -203,7 +203,12 @@ def start(preload: Sequence[str], environ: dict[str, str] | None = None) -> Serv
     try:
         listener.bind(address)
         listener.listen(socket.SOMAXCONN)
-        config = {"path": list(sys.path), "preload": list(preload), "fd": listener.fileno()}
+        config = {
+            "path": list(sys.path),
+            "preload": list(preload),
+            "fd": listener.fileno(),
+            "address": address,
+        }
         process = subprocess.Popen(
             [sys.executable, "-c", _BOOT, json.dumps(config)],
             stdin=alive_r,
@@ -227,7 +232,8 @@ def start(preload: Sequence[str], environ: dict[str, str] | None = None) -> Serv
 
 def serve(config: dict[str, Any]) -> None:
     """The fork server's main (run by :data:`_BOOT` in a fresh interpreter): import what it
-    preloads, then fork on request until its standard input closes."""
+    preloads, then fork on request until its standard input closes; then remove its socket
+    and folder, which an owner killed before its :meth:`Server.stop` leaves behind."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is its owner's to take
     listener = socket.socket(fileno=config["fd"])
     for name in config["preload"]:
@@ -240,7 +246,13 @@ def serve(config: dict[str, Any]) -> None:
             pass
         except Exception:  # a preload's failure costs the forks that import, never the server
             logger.debug("the fork server could not preload %s", name, exc_info=True)
-    _Loop(listener).run()
+    try:
+        _Loop(listener).run()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(config["address"])
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(config["address"]))
 
 
 class _Loop:
