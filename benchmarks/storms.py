@@ -12,8 +12,9 @@ before the storm is still on the same workers, and no rank's process is left.
 
 Kill storm: a 2-rank job on 3 workers, checkpoints every 5 steps, ``max_restarts=3``; one
 rank's worker process is SIGKILLed 0 to 3 s after launch (at start, while training, while
-checkpointing). It must restart from its last checkpoint and train every step exactly
-once; then the next job runs on the same workers. A worker is never killed twice within
+checkpointing, or after it succeeded). It must restart from its last checkpoint, train
+every step exactly once and return every rank's value (a kill after the job succeeded
+included); then the next job runs on the same workers. A worker is never killed twice within
 ``distributed.deploy.lost-worker-timeout``: SpecCluster would close its nanny (a Dask
 quirk the storm's own kills would hit, not something dask-ddp does).
 
@@ -272,13 +273,9 @@ def kill_round(
         _killed[names[worker]] = killed
     where = f"kill round {number} (rank {victim} after {delay:.3f} s, {seen})"
     try:
+        # Every value, even when the kill came after the job succeeded: the supervisor holds
+        # each return value up to ddp.result-limit (issue 57; before, it went with the worker).
         totals = [o["total"] for o in job.result(timeout=NEXT_JOB_TIMEOUT)]
-    except dask_ddp.WorkerLostError as exc:
-        if not (exc.finished and job.state is dask_ddp.JobState.SUCCEEDED):
-            raise StormFailure(f"{where}: the job did not end well: {exc}") from exc
-        # Killed after it finished: its value went with the worker; its records remain.
-        last = {m.rank: m.metrics["total"] for m in job.metrics if m.step == STEPS - 1}
-        totals = list(last.values())
     except Exception as exc:
         raise StormFailure(
             f"{where}: the job did not end well: {type(exc).__name__}: {exc}"
