@@ -221,19 +221,28 @@ def test_a_rank_reporting_once_an_interval_sends_each_record_at_once() -> None:
     # counted from when the sending thread woke for it (a training loop holds the GIL, so
     # up to 5 ms late), each flush came a wake-up later than the one before, and the
     # records waited longer and longer, up to an interval (22 ms of a 28 ms median delay).
+    # What is checked is the loop's own schedule, when each flush is due against when its
+    # first record was put (both its monotonic clock), not the machine's wake-up latency:
+    # a loaded machine (two pytest processes) wakes the thread late whatever it computed.
     sink = _Sink()
     interval = 0.05
     channel = events.RankChannel(sink, "3f2a", 0, interval=interval, max_event_bytes=65536)
-    put = []
+    scheduled = []  # for each time the loop asks with records waiting: due - first put
+
+    def due(next_flush: float, ask: Callable[[float], float | None] = channel._due) -> Any:
+        when = ask(next_flush)
+        if channel._buffer and when is not None:
+            scheduled.append(when - channel._buffer_since)
+        return when
+
+    channel._due = due  # the sending loop calls it with the channel's lock held
     next_at = time.monotonic()
     for step in range(40):  # spinning to each deadline, as a training loop's steps come
         while time.monotonic() < next_at:
             pass
         next_at += interval
         channel.put(protocol.METRICS, [step, time.time(), {"loss": 1.0}])
-        put.append(time.time())
     assert channel.close() is None
-    sent = [(e["told"]["last"][0], e["told"]["last"][1]) for e in sink.logged]
-    waited = [sink.times[i] - put[step] for i, (step, _) in enumerate(sent) if step < 39]
-    assert len(sent) >= 39, "records were batched"
-    assert statistics.median(waited) < interval / 3, waited
+    assert len(sink.logged) >= 39, "records were batched"
+    # Due as its record is put (to within the spin's lateness), never a drift of wake-ups.
+    assert statistics.median(scheduled) < interval / 10, scheduled
