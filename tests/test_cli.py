@@ -254,7 +254,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 
 @pytest.mark.slow
 def test_the_dashboard_s_address_and_dask_s_logs_with_verbose() -> None:
-    # Quiet by default is checked on the run above; here the example with both options.
+    # Quiet by default is checked on the default options' run (test_a_success_exits_...);
+    # here the example with both options.
     verbose, _, _ = _cli("-v", "--dashboard", str(EXAMPLE), "--steps", "5")
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     assert "parameters identical on every rank" in verbose.stdout
