@@ -13,10 +13,10 @@ before the storm is still on the same workers, and no rank's process is left.
 Kill storm: a 2-rank job on 3 workers, checkpoints every 5 steps, ``max_restarts=3``; one
 rank's worker process is SIGKILLed 0 to 3 s after launch (at start, while training, while
 checkpointing, or after it succeeded). It must restart from its last checkpoint, train
-every step exactly once and return every rank's value (a kill after the job succeeded
-included); then the next job runs on the same workers. A worker is never killed twice within
-``distributed.deploy.lost-worker-timeout``: SpecCluster would close its nanny (a Dask
-quirk the storm's own kills would hit, not something dask-ddp does).
+every step exactly once and return every rank's value; then the next job runs on the same
+workers. A worker is never killed twice within ``distributed.deploy.lost-worker-timeout``
+(left at its default): SpecCluster would close its nanny (a Dask quirk the storm's own
+kills would hit, not something dask-ddp does; docs/troubleshooting.md names it).
 
 After every round the next job checks that its ranks inherited nothing from a stopped
 rank. The script prints each round, then the slowest time from ``cancel()`` to the
